@@ -1,0 +1,59 @@
+"""optax_kahan: bfloat16 weights with float32-exact updates, for optax."""
+
+from optax_kahan.alias import prodigy
+from optax_kahan.alias import prodigy_factored
+from optax_kahan.alias import stable_adamw
+from optax_kahan.bits import merge_float32
+from optax_kahan.bits import split_float32
+from optax_kahan.kahan import kahan
+from optax_kahan.kahan import kahan_apply_updates
+from optax_kahan.kahan import kahan_from_float32
+from optax_kahan.kahan import kahan_init
+from optax_kahan.kahan import kahan_residuals
+from optax_kahan.kahan import kahan_to_float32
+from optax_kahan.kahan import KahanState
+from optax_kahan.factored_second_moment import FactoredMoment
+from optax_kahan.factored_second_moment import scale_by_factored_second_moment
+from optax_kahan.factored_second_moment import ScaleByFactoredSecondMomentState
+from optax_kahan.prodigy import prodigy_d
+from optax_kahan.prodigy import scale_by_prodigy
+from optax_kahan.prodigy import ScaleByProdigyState
+from optax_kahan.second_moment import scale_by_second_moment
+from optax_kahan.second_moment import ScaleBySecondMomentState
+from optax_kahan.stable_adamw import scale_by_stable_adamw
+from optax_kahan.stable_adamw import ScaleByStableAdamWState
+from optax_kahan.stochastic_rounding import stochastic_round
+from optax_kahan.stochastic_rounding import stochastic_round_apply_updates
+from optax_kahan.stochastic_rounding import stochastic_rounding
+from optax_kahan.stochastic_rounding import StochasticRoundingState
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "FactoredMoment",
+    "KahanState",
+    "ScaleByFactoredSecondMomentState",
+    "ScaleByProdigyState",
+    "ScaleBySecondMomentState",
+    "ScaleByStableAdamWState",
+    "StochasticRoundingState",
+    "kahan",
+    "kahan_apply_updates",
+    "kahan_from_float32",
+    "kahan_init",
+    "kahan_residuals",
+    "kahan_to_float32",
+    "merge_float32",
+    "prodigy",
+    "prodigy_d",
+    "prodigy_factored",
+    "scale_by_factored_second_moment",
+    "scale_by_prodigy",
+    "scale_by_second_moment",
+    "scale_by_stable_adamw",
+    "split_float32",
+    "stochastic_round",
+    "stochastic_round_apply_updates",
+    "stochastic_rounding",
+    "stable_adamw",
+)

@@ -1,0 +1,210 @@
+"""Named optimizers, each a thin chain of this package's transformations.
+
+| optimizer | state on bf16 params (B/param) |
+|---|---|
+| ``prodigy()`` (m, v, s, x0) | 8 |
+| ``prodigy(b1=0)`` (v, s, x0) | 6 |
+| ``prodigy_factored()`` (rows/cols, s and x0 on 1/11) | about 0.36 |
+| ``stable_adamw()`` (m, v) | 4 |
+
+All of them work inside ``kahan(...)``, where the state is float32 (the inner
+transformation sees float32 params), so the figures double while the bf16
+weights stay exact.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import optax
+
+from optax_kahan.factored_second_moment import scale_by_factored_second_moment
+from optax_kahan.prodigy import check_positive
+from optax_kahan.prodigy import scale_by_prodigy
+from optax_kahan.second_moment import check_beta
+from optax_kahan.second_moment import scale_by_second_moment
+from optax_kahan.stable_adamw import scale_by_stable_adamw
+
+
+def prodigy(
+    learning_rate: optax.ScalarOrSchedule = 1.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    b3: Optional[float] = None,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decouple: bool = True,
+    use_bias_correction: bool = False,
+    safeguard_warmup: bool = False,
+    d0: float = 1e-6,
+    d_coef: float = 1.0,
+    growth_rate: float = float("inf"),
+    slice_p: int = 1,
+    factored: bool = False,
+    update_clip: Optional[float] = None,
+    eps2: float = 1e-30,
+) -> optax.GradientTransformationExtraArgs:
+  """Prodigy, the learning-rate-free Adam, as in prodigyopt 1.1.2, plus low-memory options.
+
+  .. math::
+
+    d_{k+1} = \\min\\Big(d_{\\max}, \\gamma\\, d_k\\Big),\\quad
+    \\hat d = c\\,\\frac{r_k}{\\sum\\|s_k\\|_1},\\quad
+    x_{k+1} = x_k - d_k\\, \\eta_k\\, \\Big(\\frac{m_k}{\\sqrt{v_k} +
+    d_{k+1}\\epsilon} + \\lambda x_k\\Big)
+
+  (``r``, ``s`` and the moments as in ``scale_by_prodigy`` and
+  ``scale_by_second_moment``). ``optax.contrib.prodigy`` always bias-corrects,
+  has no ``growth_rate``, ``slice_p``, ``b1 = 0`` mode or factored moment, and
+  gives NaN on an all-zero gradient step; this one skips such a step, like
+  the reference.
+
+  Args:
+    learning_rate: multiplier of Prodigy's ``d`` (keep 1.0), float or schedule.
+    b1: first-moment decay; 0 keeps no first-moment buffer.
+    b2: second-moment decay.
+    b3: decay of the d statistics; None means ``sqrt(b2)``.
+    eps: added to ``sqrt(v)``, scaled by ``d``.
+    weight_decay: weight decay ``lambda``.
+    decouple: AdamW-style decoupled decay (True) or L2 added to the gradient.
+    use_bias_correction: fold Adam's bias correction into the step size.
+    safeguard_warmup: leave the learning rate out of ``s`` (for warm-up).
+    d0: initial ``d``.
+    d_coef: multiplier of the estimate ``d^``.
+    growth_rate: largest per-step growth of ``d`` (inf: unbounded).
+    slice_p: estimate ``d`` on every ``slice_p``-th entry of each leaf.
+    factored: Adafactor's factored second moment for leaves of >= 2 dims.
+    update_clip: clip each leaf's preconditioned update to this RMS
+      (``optax.clip_by_block_rms``), or None.
+    eps2: added to ``g^2`` in the factored moment.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+
+  Raises:
+    ValueError: for d0 <= 0, learning_rate < 0, betas outside [0, 1),
+      slice_p < 1, eps <= 0 and other out-of-range values, naming the argument.
+
+  Example:
+    >>> import optax_kahan as ok
+    >>> tx = ok.kahan(ok.prodigy())          # bf16 params, exact float32 update
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> ok.prodigy_d(state)                  # the current step size estimate
+
+  References:
+    Mishchenko & Defazio, "Prodigy: An Expeditiously Adaptive Parameter-Free
+    Learner", ICML 2024; prodigyopt 1.1.2 and its PRs #20 (b1 = 0, factored,
+    update clip) and #22 (slice_p).
+  """
+  check_beta("b1", b1)
+  check_beta("b2", b2)
+  check_positive("eps", eps)
+  check_positive("eps2", eps2, allow_zero=True)
+  if not callable(learning_rate):
+    check_positive("learning_rate", learning_rate, allow_zero=True)
+  if update_clip is not None:
+    check_positive("update_clip", update_clip)
+  if b3 is None:
+    b3 = b2**0.5
+  if factored:
+    preconditioner = scale_by_factored_second_moment(b1, b2, eps, eps2)
+  else:
+    preconditioner = scale_by_second_moment(b1, b2, eps)
+  if update_clip is not None:
+    preconditioner = optax.chain(preconditioner,
+                                 optax.clip_by_block_rms(update_clip))
+  estimator = scale_by_prodigy(
+      preconditioner,
+      learning_rate=learning_rate,
+      b3=b3,
+      weight_decay=weight_decay if decouple else 0.0,
+      d0=d0,
+      d_coef=d_coef,
+      growth_rate=growth_rate,
+      slice_p=slice_p,
+      safeguard_warmup=safeguard_warmup,
+      bias_correction=(b1, b2) if use_bias_correction else None)
+  if decouple:
+    return estimator
+  return optax.chain(optax.add_decayed_weights(weight_decay), estimator)
+
+
+def prodigy_factored(
+    learning_rate: optax.ScalarOrSchedule = 1.0,
+    b1: float = 0.0,
+    b2: float = 0.999,
+    b3: Optional[float] = None,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decouple: bool = True,
+    use_bias_correction: bool = False,
+    safeguard_warmup: bool = False,
+    d0: float = 1e-6,
+    d_coef: float = 1.0,
+    growth_rate: float = float("inf"),
+    slice_p: int = 11,
+    update_clip: Optional[float] = 1.0,
+    eps2: float = 1e-30,
+) -> optax.GradientTransformationExtraArgs:
+  """Prodigy at about 0.36 B/param of state: b1 = 0, factored v, slice_p = 11, clip 1.
+
+  The low-memory configuration of the prodigyopt PRs #20 and #22 (about 95%
+  less state than ``prodigy()``): no first moment, Adafactor's row/column
+  second moment, the d statistics on every 11th entry, and each leaf's update
+  clipped to RMS 1 (Adafactor's clip, which tames the spikes of a factored
+  ``v``). Arguments as in ``prodigy``.
+
+  Example:
+    >>> tx = kahan(prodigy_factored())
+
+  References:
+    Shazeer & Stern, 2018 (Adafactor); Mishchenko & Defazio, 2024 (Prodigy).
+  """
+  return prodigy(
+      learning_rate=learning_rate, b1=b1, b2=b2, b3=b3, eps=eps,
+      weight_decay=weight_decay, decouple=decouple,
+      use_bias_correction=use_bias_correction,
+      safeguard_warmup=safeguard_warmup, d0=d0, d_coef=d_coef,
+      growth_rate=growth_rate, slice_p=slice_p, factored=True,
+      update_clip=update_clip, eps2=eps2)
+
+
+def stable_adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    eps: float = 1e-6,
+    weight_decay: float = 1e-2,
+) -> optax.GradientTransformation:
+  """StableAdamW: AdamW whose per-leaf step shrinks by ``1/max(1, RMS(g/sqrt(v)))``.
+
+  .. math::
+
+    x_{t} = x_{t-1} - \\frac{\\eta_t}{\\max(1, \\mathrm{RMS}_t)}
+    \\left(\\frac{\\hat m_t}{\\sqrt{\\hat v_t} + \\epsilon} + \\lambda x_{t-1}\\right)
+
+  Defaults are torch-optimi's.
+
+  Args:
+    learning_rate: float or schedule.
+    b1: first-moment decay.
+    b2: second-moment decay.
+    eps: added to ``sqrt(v^)``.
+    weight_decay: decoupled weight decay, clipped with the step.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Example:
+    >>> tx = kahan(stable_adamw(1e-4))
+
+  References:
+    Wortsman et al., "Stable and low-precision training for large-scale
+    vision-language models", NeurIPS 2023 (arXiv:2304.13013).
+  """
+  check_beta("b1", b1)
+  check_beta("b2", b2)
+  return optax.chain(
+      scale_by_stable_adamw(b1, b2, eps, weight_decay),
+      optax.scale_by_learning_rate(learning_rate))

@@ -1,0 +1,164 @@
+"""Adafactor's factored second moment, in the rescaled form Prodigy drives.
+
+For a leaf with at least two dimensions, the full second moment ``v`` (one
+number per weight) is replaced by two EMAs over the last two axes, the row
+means ``R`` (over the last axis) and the column means ``C`` (over the
+second-to-last axis)::
+
+    R <- b2 rho^2 R + (1 - b2) mean(g^2 + eps2, axis=-1)
+    C <- b2 rho^2 C + (1 - b2) mean(g^2 + eps2, axis=-2)
+    v^ = R (x) C / mean(R)          (the rank-1 estimate of v)
+
+Leading axes (conv kernels' spatial axes, stacked layers) are kept, so a
+``(kh, kw, cin, cout)`` kernel stores ``kh*kw*(cin + cout)`` numbers. Leaves
+with fewer than two dimensions keep a full ``v``. The step is
+``m / (sqrt(v^) + d_growth * eps)`` with the same ``d_ratio`` / ``d_growth``
+coupling as ``scale_by_second_moment``.
+
+Which axes: optax's ``scale_by_factored_rms`` factors the two *largest* axes,
+only when the second largest has at least 128 entries, and decays with
+``1 - t^-0.8``. Here the *last two* axes are factored (for the ``(..., in,
+out)`` layouts of Flax kernels those are the large ones, and the choice does
+not depend on the sizes), ``min_dim_size_to_factor`` (default 1) sets the
+smallest size of those two axes worth factoring, and ``b2`` is a constant or
+a schedule of the step count (``lambda t: 1 - t**-0.8`` gives Adafactor's).
+
+``eps2`` is added to ``g^2`` and is never multiplied by Prodigy's ``d^2``: in
+the reference discussion of Stable Cascade, a floor scaled by ``d^2``
+underflowed in bfloat16 and all-zero gradients then gave ``0/0 = NaN``.
+
+References:
+  Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory
+  Cost", ICML 2018 (arXiv:1804.04235).
+  prodigyopt PR #20 (no first moment, factored second moment, update clip).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional, Union
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_kahan.second_moment import check_beta, rescale_moment
+
+
+class FactoredMoment(NamedTuple):
+  """Second moment of one leaf: ``row`` and ``col`` EMAs, or a full ``v``."""
+  row: Optional[jax.Array]  # shape[:-1]
+  col: Optional[jax.Array]  # shape[:-2] + shape[-1:]
+  v: Optional[jax.Array]    # full, for leaves that are not factored
+
+
+class ScaleByFactoredSecondMomentState(NamedTuple):
+  """State of ``scale_by_factored_second_moment``."""
+  count: chex.Array  # int32 scalar
+  mu: Optional[optax.Updates]
+  nu: optax.Updates  # a tree of FactoredMoment
+
+
+def scale_by_factored_second_moment(
+    b1: float = 0.0,
+    b2: Union[float, Callable[[chex.Array], chex.Array]] = 0.999,
+    eps: float = 1e-8,
+    eps2: float = 1e-30,
+    *,
+    min_dim_size_to_factor: int = 1,
+) -> optax.GradientTransformationExtraArgs:
+  """Adafactor's factored second moment as a (Prodigy-rescalable) preconditioner.
+
+  .. math::
+
+    R_t = b_2 \\rho^2 R_{t-1} + (1-b_2)\\,\\mathrm{mean}_{-1}(g_t^2 + \\epsilon_2),
+    \\quad C_t = b_2 \\rho^2 C_{t-1} + (1-b_2)\\,\\mathrm{mean}_{-2}(g_t^2 +
+    \\epsilon_2), \\quad \\hat v_t = \\frac{R_t \\otimes C_t}{\\mathrm{mean}(R_t)},
+    \\quad u_t = \\frac{m_t}{\\sqrt{\\hat v_t} + \\gamma\\epsilon}
+
+  with ``m_t`` as in ``scale_by_second_moment`` (``gamma g_t`` when b1 = 0).
+
+  Args:
+    b1: first-moment decay; 0 (the default) keeps no first moment.
+    b2: second-moment decay, a float or a schedule ``count -> decay``.
+    eps: added outside the root (may be 0 when ``eps2`` keeps ``v^ > 0``).
+    eps2: added to ``g^2`` inside the moments; never scaled by ``d^2``.
+    min_dim_size_to_factor: factor a leaf only when both of its last two axes
+      have at least this many entries.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` accepting the extra args
+    ``d_ratio`` and ``d_growth`` (see ``scale_by_second_moment``).
+
+  Example:
+    >>> tx = optax.chain(scale_by_factored_second_moment(b2=lambda t: 1 - t**-0.8),
+    ...                  optax.clip_by_block_rms(1.0),
+    ...                  optax.scale_by_learning_rate(1e-3))
+
+  References:
+    Shazeer & Stern, 2018.
+  """
+  check_beta("b1", b1)
+  if not callable(b2):
+    check_beta("b2", b2)
+  if isinstance(eps, (int, float)) and eps < 0:
+    raise ValueError(f"eps must be >= 0, got {eps}")
+  if isinstance(eps2, (int, float)) and eps2 < 0:
+    raise ValueError(f"eps2 must be >= 0, got {eps2}")
+  use_mu = not (isinstance(b1, (int, float)) and b1 == 0)
+
+  def factored(p) -> bool:
+    return p.ndim >= 2 and min(p.shape[-2:]) >= min_dim_size_to_factor
+
+  def init_moment(p):
+    if factored(p):
+      return FactoredMoment(
+          row=jnp.zeros(p.shape[:-1], p.dtype),
+          col=jnp.zeros(p.shape[:-2] + p.shape[-1:], p.dtype), v=None)
+    return FactoredMoment(row=None, col=None, v=jnp.zeros_like(p))
+
+  def init_fn(params):
+    mu = optax.tree.zeros_like(params) if use_mu else None
+    return ScaleByFactoredSecondMomentState(
+        jnp.zeros([], jnp.int32), mu, jax.tree.map(init_moment, params))
+
+  def update_fn(updates, state, params=None, *, d_ratio=1.0, d_growth=1.0,
+                **extra_args):
+    del params, extra_args
+    count = optax.safe_increment(state.count)
+    decay = b2(count) if callable(b2) else b2
+    scale = d_ratio**2
+
+    def update_moment(g, nu):
+      g2 = jnp.square(g.astype(jnp.float32)) + eps2
+      if nu.v is not None:
+        v = rescale_moment(nu.v, decay, scale, g2)
+        return FactoredMoment(None, None, v), v.astype(jnp.float32)
+      row = rescale_moment(nu.row, decay, scale, jnp.mean(g2, axis=-1))
+      col = rescale_moment(nu.col, decay, scale, jnp.mean(g2, axis=-2))
+      r32 = row.astype(jnp.float32)
+      row_factor = r32 / jnp.mean(r32, axis=-1, keepdims=True)
+      v_hat = row_factor[..., :, None] * col.astype(jnp.float32)[..., None, :]
+      return FactoredMoment(row, col, None), v_hat
+
+    leaves, treedef = jax.tree.flatten(updates)
+    moments = [update_moment(g, nu)
+               for g, nu in zip(leaves, treedef.flatten_up_to(state.nu))]
+    nu = treedef.unflatten([m for m, _ in moments])
+    v_hat = treedef.unflatten([v for _, v in moments])
+
+    g32 = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
+    if use_mu:
+      mu = jax.tree.map(lambda m, g: rescale_moment(m, b1, d_ratio, g),
+                        state.mu, g32)
+      num = mu
+    else:
+      mu = None
+      num = jax.tree.map(lambda g: d_growth * g, g32)
+
+    out = jax.tree.map(
+        lambda g, m, v: (m.astype(jnp.float32) / (jnp.sqrt(v) + d_growth * eps)
+                         ).astype(g.dtype), updates, num, v_hat)
+    return out, ScaleByFactoredSecondMomentState(count, mu, nu)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

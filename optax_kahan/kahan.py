@@ -1,0 +1,379 @@
+"""Kahan-compensated bfloat16 updates with uint16 residuals parked in host memory.
+
+bfloat16 keeps the upper 16 bits of a float32 (see ``optax_kahan.bits``). Plain
+bfloat16 updates ``p <- bf16(p + u)`` drop every change smaller than half an ulp
+(about ``2**-9 |p|``): at polishing learning rates training silently stops. Here
+the low 16 bits are kept as a ``uint16`` residual per weight, so the exact
+float32 value ``x = merge(p, lo)`` survives between steps::
+
+    x     = merge(p, lo)              # exact float32, rebuilt from the bits
+    x'    = x + u                     # float32 arithmetic
+    p, lo = split(x')                 # bf16 for the device, uint16 residual
+
+The sequence of ``x`` is bit for bit that of float32 master weights, while the
+device holds 2 bytes per weight. Between steps the residuals live in host memory
+(memory kind ``pinned_host``); inside a jitted step they move with
+``jax.device_put(..., jax.memory.Space.Device / Host)``, so the step stays one
+XLA program and XLA can overlap the copies with compute.
+
+Leaves: bfloat16 leaves get a residual; float32 and float64 leaves need none
+and are updated normally (their residual slot is ``None``); any other dtype
+(float16, integers, ...) raises a ValueError naming the leaf's path.
+
+References:
+  Kahan, "Further remarks on reducing truncation errors", CACM 1965.
+  Zamirai et al., "Revisiting BFloat16 Training", arXiv:2010.06192, 2020.
+  sd-scripts PR #2159 (uint16 residuals sent to the CPU between steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_kahan import bits
+from optax_kahan.bits import Rounding
+
+Residuals = Any  # A tree like the params: uint16 arrays, None for wide leaves.
+
+_WIDE_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
+
+
+def _leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
+  flat, _ = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: x is None)
+  return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
+
+
+def needs_residual(leaf: Any, path: str = "") -> bool:
+  """True for bfloat16 leaves, False for float32/float64 or None ones.
+
+  Raises:
+    ValueError: for any other dtype, naming ``path``.
+  """
+  if leaf is None:
+    return False
+  dtype = jnp.result_type(leaf)
+  if dtype == jnp.bfloat16:
+    return True
+  if dtype in _WIDE_FLOATS:
+    return False
+  raise ValueError(
+      f"leaf {path or '<root>'} has dtype {dtype}: Kahan-compensated updates "
+      "take bfloat16 leaves (with a residual) or float32/float64 leaves "
+      "(updated normally); cast it, or leave it out with optax.masked")
+
+
+def _check_residuals(params: Any, residuals: Residuals) -> None:
+  """Raises ValueError unless ``residuals`` matches ``params`` leaf by leaf."""
+  p_def = jax.tree.structure(params, is_leaf=lambda x: x is None)
+  r_def = jax.tree.structure(residuals, is_leaf=lambda x: x is None)
+  if p_def != r_def:
+    raise ValueError(
+        "residuals do not match the params' tree structure:\n"
+        f"  params:    {p_def}\n  residuals: {r_def}\n"
+        "(make residuals with kahan_init(params) or kahan_from_float32)")
+  for (path, p), (_, r) in zip(_leaves_with_paths(params),
+                               _leaves_with_paths(residuals)):
+    if needs_residual(p, path):
+      if r is None or jnp.result_type(r) != jnp.uint16 or r.shape != p.shape:
+        got = None if r is None else f"{jnp.result_type(r)}{list(r.shape)}"
+        raise ValueError(
+            f"residual for bfloat16 leaf {path} must be uint16{list(p.shape)}, "
+            f"got {got}")
+    elif r is not None:
+      raise ValueError(
+          f"leaf {path} is {jnp.result_type(p) if p is not None else None} and "
+          f"needs no residual, got {jnp.result_type(r)}{list(r.shape)}")
+
+
+def _map(fn, params: Any, *trees: Any) -> Any:
+  """Maps ``fn(path, p, *xs)`` over params' leaves (None leaves included)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: x is None)
+  others = [treedef.flatten_up_to(t) for t in trees]
+  out = [fn(jax.tree_util.keystr(path), p, *xs)
+         for (path, p), *xs in zip(flat, *others)]
+  return jax.tree.unflatten(treedef, out)
+
+
+def _unzip(tree: Any, treedef_source: Any) -> tuple[Any, Any]:
+  """Splits a tree of pairs (built by ``_map``) into two trees."""
+  treedef = jax.tree.structure(treedef_source, is_leaf=lambda x: x is None)
+  pairs = treedef.flatten_up_to(tree)
+  return (jax.tree.unflatten(treedef, [a for a, _ in pairs]),
+          jax.tree.unflatten(treedef, [b for _, b in pairs]))
+
+
+def to_host(x: jax.Array) -> jax.Array:
+  """Sends ``x`` to host memory (``pinned_host``), keeping its sharding."""
+  return jax.device_put(x, jax.memory.Space.Host)
+
+
+def to_device(x: jax.Array) -> jax.Array:
+  """Brings ``x`` into device memory, keeping its sharding."""
+  return jax.device_put(x, jax.memory.Space.Device)
+
+
+def _on_host(x: jax.Array) -> bool:
+  return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def kahan_init(
+    params: Any, *, rounding: Rounding = "nearest", offload: bool = True
+) -> Residuals:
+  """Zero residuals for ``params``: the float32 value of each weight is its bf16.
+
+  Args:
+    params: a tree of bfloat16 (and optionally float32/float64) arrays.
+    rounding: the rounding mode the residuals will be used with (checked here
+      so a typo fails early; zero residuals mean the same in both modes).
+    offload: put the residuals in host memory (``pinned_host``). With False
+      they stay in device memory.
+
+  Returns:
+    A tree like ``params``: ``uint16`` zeros with each bfloat16 leaf's shape
+    and sharding, ``None`` for wide float leaves.
+
+  Raises:
+    ValueError: for a leaf of another dtype, naming its path.
+  """
+  bits.check_rounding(rounding)
+
+  def init_leaf(path, p):
+    if not needs_residual(p, path):
+      return None
+    lo = jnp.zeros_like(p, dtype=jnp.uint16)
+    return to_host(lo) if offload else lo
+
+  return _map(init_leaf, params)
+
+
+def kahan_apply_updates(
+    params: Any,
+    updates: Any,
+    residuals: Residuals,
+    *,
+    rounding: Rounding = "nearest",
+) -> tuple[Any, Residuals]:
+  """Applies ``updates`` exactly: ``p, lo <- split(merge(p, lo) + u)``.
+
+  The sum is float32 and the result is split again, so the float32 value of
+  each weight evolves bit for bit as float32 master weights would. Residuals in
+  host memory are brought in and sent back inside the computation; they return
+  to the memory they came from.
+
+  Args:
+    params: the params tree (bfloat16 leaves with residuals; float32/float64
+      leaves are updated as ``p + u``).
+    updates: a tree like ``params`` of updates of any float dtype (upcast to
+      float32 exactly).
+    residuals: from ``kahan_init``, ``kahan_from_float32`` or a previous call.
+    rounding: the mode the residuals were made with.
+
+  Returns:
+    ``(new_params, new_residuals)``.
+
+  Example:
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> res = kahan_init(params, offload=False)
+    >>> for _ in range(100):
+    ...   params, res = kahan_apply_updates(params, {"w": jnp.full(3, 1e-4)}, res)
+    >>> kahan_to_float32(params, res)["w"][0]  # 1 + 100 * 1e-4, in float32
+    Array(1.01, dtype=float32)
+  """
+  bits.check_rounding(rounding)
+  _check_residuals(params, residuals)
+
+  def apply_leaf(path, p, u, lo):
+    if p is None:
+      return None, None
+    if lo is None:
+      return (p + u).astype(p.dtype), None
+    on_host = _on_host(lo)
+    x = bits.merge_float32(p, to_device(lo) if on_host else lo, rounding)
+    hi, new_lo = bits.split_float32(x + u.astype(jnp.float32), rounding)
+    return hi, to_host(new_lo) if on_host else new_lo
+
+  return _unzip(_map(apply_leaf, params, updates, residuals), params)
+
+
+def kahan_from_float32(
+    params_f32: Any, *, rounding: Rounding = "nearest", offload: bool = True
+) -> tuple[Any, Residuals]:
+  """Splits float32 params (a float32 checkpoint) into bf16 params and residuals.
+
+  No bit is lost (see ``optax_kahan.bits`` for the one saturation band in
+  nearest mode). float64 leaves are kept as they are, with no residual.
+
+  Args:
+    params_f32: a tree of float32 (or float64) arrays.
+    rounding: rounding mode of the bf16 params the forward pass will see.
+    offload: put the residuals in host memory.
+
+  Returns:
+    ``(params_bf16, residuals)``.
+  """
+  bits.check_rounding(rounding)
+
+  def split_leaf(path, x):
+    if x is None:
+      return None, None
+    dtype = jnp.result_type(x)
+    if dtype == jnp.float64:
+      return x, None
+    if dtype != jnp.float32:
+      raise ValueError(
+          f"kahan_from_float32: leaf {path} has dtype {dtype}, expected "
+          "float32")
+    hi, lo = bits.split_float32(x, rounding)
+    return hi, to_host(lo) if offload else lo
+
+  return _unzip(_map(split_leaf, params_f32), params_f32)
+
+
+def kahan_to_float32(
+    params: Any, residuals: Residuals, *, rounding: Rounding = "nearest"
+) -> Any:
+  """The exact float32 value of each weight: ``merge(p, lo)``.
+
+  Use it to export a float32 checkpoint, to evaluate at full precision, or to
+  compare with a float32 run. Wide float leaves are returned as they are.
+  """
+  bits.check_rounding(rounding)
+  _check_residuals(params, residuals)
+
+  def merge_leaf(path, p, lo):
+    if lo is None:
+      return p
+    return bits.merge_float32(p, to_device(lo) if _on_host(lo) else lo,
+                              rounding)
+
+  return _map(merge_leaf, params, residuals)
+
+
+class KahanState(NamedTuple):
+  """State of ``kahan``: the residuals and the inner transformation's state."""
+  residuals: Residuals
+  inner_state: optax.OptState
+
+
+def kahan(
+    inner: optax.GradientTransformation,
+    *,
+    rounding: Rounding = "nearest",
+    offload: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps ``inner`` so that bfloat16 params train as exact float32 ones.
+
+  At each step, with ``x = merge(p, lo)`` the exact float32 params::
+
+    u, inner_state = inner.update(float32(g), inner_state, x, **extra_args)
+    p', lo'        = split(x + u)
+    returned delta = float32(p') - float32(p)
+
+  ``inner.init`` and ``inner.update`` see the exact float32 params and float32
+  gradients (an exact upcast), so the inner moments live in float32, and weight
+  decay or Prodigy's distance to the initial point see the true weights.
+
+  Why float32 deltas: ``optax.apply_updates`` computes ``(p + u).astype(p.dtype)``.
+  With ``u = float32(p') - float32(p)`` the sum is ``p'`` exactly and the cast
+  is exact, so the bf16 params land on ``p'``, matching the residual ``lo'``.
+  A bf16 delta would itself be rounded, and about 3% of elements would land on
+  a neighbour of ``p'`` when ``|delta / p| >= 0.5``. The float32 difference of
+  two bf16 numbers is exact unless their magnitudes differ by more than a
+  factor of about ``2**15`` (a weight jumping from 1e3 to 1e-3 in one step; a
+  jump to or from zero is exact); only then would ``apply_updates`` miss ``p'``.
+
+  Float32 and float64 leaves need no residual: their update is ``inner``'s,
+  unchanged. Other dtypes raise a ValueError at init naming the leaf.
+
+  Donation: params and state can be donated to the jitted step. The residuals
+  travel between host and device inside it, so XLA does not alias their
+  buffers across memory kinds; that costs nothing but the aliasing.
+
+  Args:
+    inner: any optax transformation (extra args such as ``value`` are passed
+      through to it).
+    rounding: how the bf16 params seen by the forward pass are rounded:
+      ``"nearest"`` (default, ties away from zero) or ``"truncate"``.
+    offload: keep the residuals in host memory between steps.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is ``KahanState``.
+
+  Example:
+    >>> import optax
+    >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+    >>> tx = kahan(optax.adamw(1e-6))
+    >>> state = tx.init(params)
+    >>> grads = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+
+  References:
+    sd-scripts PR #2159; Zamirai et al., "Revisiting BFloat16 Training", 2020.
+  """
+  bits.check_rounding(rounding)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    residuals = kahan_init(params, rounding=rounding, offload=offload)
+    return KahanState(residuals, inner.init(_upcast(params)))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError("kahan(...).update needs params: call "
+                       "tx.update(grads, state, params)")
+    _check_residuals(params, state.residuals)
+    lows = jax.tree.map(lambda lo: to_device(lo) if offload else lo,
+                        state.residuals)
+    x32 = _map(lambda path, p, lo: p if lo is None
+               else bits.merge_float32(p, lo, rounding), params, lows)
+    g32 = jax.tree.map(lambda g: None if g is None else g.astype(
+        jnp.promote_types(g.dtype, jnp.float32)), updates,
+                       is_leaf=lambda x: x is None)
+    u, inner_state = inner.update(g32, state.inner_state, x32, **extra_args)
+
+    def step_leaf(path, p, x, u, lo):
+      if p is None or u is None:
+        return None, lo
+      if lo is None:
+        return u, None
+      hi, new_lo = bits.split_float32(x + u.astype(jnp.float32), rounding)
+      delta = hi.astype(jnp.float32) - p.astype(jnp.float32)
+      return delta, to_host(new_lo) if offload else new_lo
+
+    deltas, residuals = _unzip(
+        _map(step_leaf, params, x32, u, lows), params)
+    return deltas, KahanState(residuals, inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _upcast(params: Any) -> Any:
+  """bfloat16 leaves to float32 (exact); others unchanged."""
+  return jax.tree.map(
+      lambda p: p.astype(jnp.float32) if p is not None
+      and jnp.result_type(p) == jnp.bfloat16 else p,
+      params, is_leaf=lambda x: x is None)
+
+
+def kahan_residuals(opt_state: optax.OptState) -> Residuals:
+  """The residuals of the (first) ``KahanState`` inside ``opt_state``.
+
+  Works whatever wraps ``kahan`` (``optax.apply_if_finite``, ``MultiSteps``,
+  a chain); use it to export exact float32 weights with ``kahan_to_float32``.
+
+  Raises:
+    ValueError: if ``opt_state`` holds no ``KahanState``.
+  """
+  found = [s for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, KahanState))
+           if isinstance(s, KahanState)]
+  if not found:
+    raise ValueError("no KahanState in this optimizer state")
+  return found[0].residuals

@@ -1,0 +1,92 @@
+"""StableAdamW's update clipping: the per-leaf step shrinks when g^2 outruns v.
+
+AdamW's second moment ``v`` lags behind a sudden rise of the gradient; the step
+``m / sqrt(v)`` then spikes (the loss spikes of large-scale training). Wortsman
+et al. divide each leaf's learning rate, weight decay included, by::
+
+    RMS_t = sqrt(mean(g_t^2 / max(v^_t, eps^2)))
+    step  = (m^_t / (sqrt(v^_t) + eps) + lambda x) / max(1, RMS_t)
+
+with ``v^`` the bias-corrected second moment after this step's update. The
+weight decay is inside the clipped step, so this transformation owns it (an
+``optax.add_decayed_weights`` after it would not be clipped).
+
+References:
+  Wortsman et al., "Stable and low-precision training for large-scale
+  vision-language models", NeurIPS 2023 (arXiv:2304.13013), Algorithm 2.
+  torch-optimi 0.3.3, ``optimi.StableAdamW``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_kahan.prodigy import check_positive
+from optax_kahan.second_moment import ScaleBySecondMomentState
+from optax_kahan.second_moment import scale_by_second_moment
+
+
+class ScaleByStableAdamWState(NamedTuple):
+  """State of ``scale_by_stable_adamw``: the Adam moments."""
+  moments: ScaleBySecondMomentState
+
+
+def scale_by_stable_adamw(
+    b1: float = 0.9,
+    b2: float = 0.99,
+    eps: float = 1e-6,
+    weight_decay: float = 1e-2,
+) -> optax.GradientTransformation:
+  """Adam's direction plus decoupled decay, divided by ``max(1, RMS_t)`` per leaf.
+
+  .. math::
+
+    u_t = \\frac{1}{\\max(1, \\mathrm{RMS}_t)}\\left(\\frac{\\hat m_t}
+    {\\sqrt{\\hat v_t} + \\epsilon} + \\lambda x_t\\right), \\quad
+    \\mathrm{RMS}_t = \\sqrt{\\mathrm{mean}\\left(\\frac{g_t^2}
+    {\\max(\\hat v_t, \\epsilon^2)}\\right)}
+
+  Args:
+    b1: first-moment decay.
+    b2: second-moment decay.
+    eps: added to ``sqrt(v^)``; ``eps^2`` floors ``v^`` in the RMS.
+    weight_decay: decoupled weight decay ``lambda`` (scaled with the step).
+
+  Returns:
+    An ``optax.GradientTransformation`` giving the direction; chain
+    ``optax.scale_by_learning_rate`` after it (as ``stable_adamw`` does).
+
+  Example:
+    >>> tx = optax.chain(scale_by_stable_adamw(), optax.scale_by_learning_rate(1e-3))
+
+  References:
+    Wortsman et al., 2023, Algorithm 2.
+  """
+  check_positive("eps", eps)
+  check_positive("weight_decay", weight_decay, allow_zero=True)
+  adam = scale_by_second_moment(b1, b2, eps, bias_correction=True)
+
+  def init_fn(params):
+    return ScaleByStableAdamWState(adam.init(params))
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("scale_by_stable_adamw needs params (weight decay)")
+    direction, moments = adam.update(updates, state.moments, params)
+    c2 = 1 - jnp.asarray(b2, jnp.float32)**moments.count.astype(jnp.float32)
+
+    def clip(g, u, v, x):
+      v_hat = v.astype(jnp.float32) / c2
+      g32 = g.astype(jnp.float32)
+      rms = jnp.sqrt(jnp.mean(g32 * g32 / jnp.maximum(v_hat, eps * eps)))
+      step = u.astype(jnp.float32) + weight_decay * x.astype(jnp.float32)
+      return (step / jnp.maximum(1.0, rms)).astype(u.dtype)
+
+    out = jax.tree.map(clip, updates, direction, moments.nu, params)
+    return out, ScaleByStableAdamWState(moments)
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,291 @@
+"""Kahan-compensated bf16 updates: bit-exact float32 semantics, offload, optax/Flax use."""
+
+import functools
+
+import flax.linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import optax_kahan as ok
+
+ROUNDINGS = ["nearest", "truncate"]
+
+
+def _bits(x):
+  return np.asarray(x).view(np.uint32)
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_functional_api_equals_float32_accumulation(rounding):
+  rng = np.random.default_rng(0)
+  n, steps = 256, 1000
+  x0 = (rng.standard_normal(n) * 10.0**rng.uniform(-3, 3, n)).astype(np.float32)
+  mags = 10.0**rng.uniform(-12, 2, (steps, n))
+  ups = (rng.choice([-1, 1], (steps, n)) * mags * np.abs(x0)).astype(np.float32)
+  ups[::50] = 0.0  # some exact no-op steps
+
+  @jax.jit
+  def run_f32(x, ups):
+    return jax.lax.scan(lambda x, u: (x + u, None), x, ups)[0]
+
+  @jax.jit
+  def run_kahan(params, residuals, ups):
+    def body(carry, u):
+      p, r = carry
+      p, r = ok.kahan_apply_updates({"w": p}, {"w": u}, {"w": r},
+                                    rounding=rounding)
+      return (p["w"], r["w"]), None
+    return jax.lax.scan(body, (params, residuals), ups)[0]
+
+  want = run_f32(jnp.asarray(x0), jnp.asarray(ups))
+  params, residuals = ok.kahan_from_float32({"w": jnp.asarray(x0)},
+                                            rounding=rounding, offload=False)
+  p, r = run_kahan(params["w"], residuals["w"], jnp.asarray(ups))
+  got = ok.kahan_to_float32({"w": p}, {"w": r}, rounding=rounding)["w"]
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+  # The bf16 params are the rounding of the exact value.
+  np.testing.assert_array_equal(
+      np.asarray(p).view(np.uint16),
+      np.asarray(ok.split_float32(want, rounding)[0]).view(np.uint16))
+
+
+def test_functional_api_keeps_residual_memory_kind():
+  params = {"w": jnp.ones(8, jnp.bfloat16)}
+  for offload, kind in ((True, "pinned_host"), (False, "device")):
+    res = ok.kahan_init(params, offload=offload)
+    p, res = jax.jit(ok.kahan_apply_updates)(
+        params, {"w": jnp.full(8, 1e-5)}, res)
+    assert res["w"].sharding.memory_kind == kind
+    np.testing.assert_allclose(
+        ok.kahan_to_float32(p, res)["w"], np.float32(1.0) + np.float32(1e-5))
+
+
+# A small MLP trained with bf16 weights: Kahan vs float32 master weights.
+
+def _mlp(params, x):
+  h = jnp.tanh(x @ params["w1"] + params["b1"])
+  return h @ params["w2"] + params["b2"]
+
+
+def _loss(params, batch):
+  x, y = batch
+  pred = _mlp(params, x.astype(params["w1"].dtype))
+  return jnp.mean(jnp.square(pred.astype(jnp.float32) - y))
+
+
+def _init_params():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {
+      "w1": jax.random.normal(k1, (8, 32)) * 0.5,
+      "b1": jnp.zeros(32),
+      "w2": jax.random.normal(k2, (32, 1)) * 0.2,
+      "b2": jnp.zeros(1),
+  }
+
+
+def _batches(steps):
+  kx, kw = jax.random.split(jax.random.key(1))
+  x = jax.random.normal(kx, (steps, 16, 8))
+  w = jax.random.normal(kw, (8, 1))
+  return x, jnp.sin(x @ w)
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_training_is_bit_identical_to_float32_master(rounding):
+  steps = 300
+  inner = optax.adamw(3e-4, weight_decay=0.1)
+  xs, ys = _batches(steps)
+
+  # Reference: float32 master weights, forward pass on their bf16 rounding.
+  @jax.jit
+  def master_step(master, state, batch):
+    hi = jax.tree.map(lambda m: ok.split_float32(m, rounding)[0], master)
+    grads = jax.grad(_loss)(hi, batch)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    updates, state = inner.update(grads, state, master)
+    return optax.apply_updates(master, updates), state
+
+  master = _init_params()
+  params_f32 = master
+  m_state = inner.init(master)
+  for i in range(steps):
+    master, m_state = master_step(master, m_state, (xs[i], ys[i]))
+
+  # Kahan: bf16 params + host residuals, plain optax.apply_updates.
+  tx = ok.kahan(inner, rounding=rounding)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def kahan_step(params, state, batch):
+    grads = jax.grad(_loss)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params, residuals = ok.kahan_from_float32(params_f32, rounding=rounding)
+  state = tx.init(params)
+  state = state._replace(residuals=residuals)
+  for i in range(steps):
+    params, state = kahan_step(params, state, (xs[i], ys[i]))
+  assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
+  exact = ok.kahan_to_float32(params, state.residuals, rounding=rounding)
+  for name in master:
+    np.testing.assert_array_equal(_bits(exact[name]), _bits(master[name]),
+                                  err_msg=name)
+
+  # Plain bf16 updates (round to nearest even in optax.apply_updates) drift.
+  @jax.jit
+  def plain_step(params, state, batch):
+    grads = jax.grad(_loss)(params, batch)
+    updates, state = inner.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  plain = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params_f32)
+  p_state = inner.init(plain)
+  for i in range(steps):
+    plain, p_state = plain_step(plain, p_state, (xs[i], ys[i]))
+  drift = max(float(jnp.max(jnp.abs(plain[k].astype(jnp.float32) - master[k])))
+              for k in master)
+  kahan_drift = max(float(jnp.max(jnp.abs(exact[k] - master[k])))
+                    for k in master)
+  assert kahan_drift == 0.0
+  assert drift > 1e-3, f"plain bf16 should visibly drift, got {drift}"
+
+
+def test_residuals_memory_kind_after_jitted_step():
+  params = {"w": jnp.ones((4, 4), jnp.bfloat16), "b": jnp.zeros(4)}
+  grads = {"w": jnp.ones((4, 4), jnp.bfloat16), "b": jnp.ones(4)}
+  for offload, kind in ((True, "pinned_host"), (False, "device")):
+    tx = ok.kahan(optax.sgd(1e-3), offload=offload)
+    state = jax.jit(tx.init)(params)
+    assert state.residuals["b"] is None
+    _, state = jax.jit(tx.update)(grads, state, params)
+    assert state.residuals["w"].sharding.memory_kind == kind
+
+
+def test_float32_leaves_pass_through_and_extra_args():
+  params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(3, jnp.float32)}
+  grads = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(3)}
+  inner = optax.contrib.reduce_on_plateau()  # needs the `value` extra arg
+  tx = ok.kahan(optax.chain(optax.sgd(0.5), inner), offload=False)
+  state = tx.init(params)
+  updates, state = tx.update(grads, state, params, value=jnp.float32(1.0))
+  assert updates["b"].dtype == jnp.float32
+  np.testing.assert_array_equal(updates["b"], -0.5 * np.ones(3))
+  np.testing.assert_array_equal(updates["w"], -0.5 * np.ones(3))
+
+
+@pytest.mark.parametrize("nesting", ["inside", "outside"])
+def test_nan_step_under_apply_if_finite_changes_nothing(nesting):
+  """kahan(apply_if_finite(tx)) is the supported nesting.
+
+  Inside, the inner transformation sees float32 gradients and returns zeros on
+  a non-finite step; x + 0 splits back into the same bf16 and residual. The
+  outer nesting apply_if_finite(kahan(tx)) works only with float32 gradients:
+  its reject branch returns zeros in the gradient's dtype, which must match
+  kahan's float32 deltas (with bf16 gradients jax.lax.cond refuses to trace).
+  """
+  adam = optax.adam(1e-3)
+  if nesting == "outside":
+    tx = optax.apply_if_finite(ok.kahan(adam), max_consecutive_errors=5)
+    grad_dtype = jnp.float32
+  else:
+    tx = ok.kahan(optax.apply_if_finite(adam, max_consecutive_errors=5))
+    grad_dtype = jnp.bfloat16
+  params = {"w": jnp.linspace(-1, 1, 16, dtype=jnp.bfloat16)}
+  state = tx.init(params)
+  step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+  good = jnp.full(16, 0.3, grad_dtype)
+  upd, state = step({"w": good}, state, params)
+  params = optax.apply_updates(params, upd)
+  before = ok.kahan_to_float32(params, ok.kahan_residuals(state))
+  upd, state = step({"w": good.at[3].set(jnp.nan)}, state, params)
+  new = optax.apply_updates(params, upd)
+  np.testing.assert_array_equal(_bits(new["w"].astype(jnp.float32)),
+                                _bits(params["w"].astype(jnp.float32)))
+  after = ok.kahan_to_float32(new, ok.kahan_residuals(state))
+  np.testing.assert_array_equal(_bits(after["w"]), _bits(before["w"]))
+  # And the next finite step moves again.
+  upd, state = step({"w": good}, state, new)
+  assert float(jnp.max(jnp.abs(upd["w"]))) > 0
+
+
+def test_flax_nnx_optimizer_trains_bf16_model():
+  model = nnx.Linear(4, 3, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, ok.kahan(optax.adam(1e-2)), wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(0), (32, 4)).astype(jnp.bfloat16)
+  y = jnp.ones((32, 3))
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    def loss_fn(model):
+      return jnp.mean(jnp.square(model(x).astype(jnp.float32) - y))
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(train_step(model, optimizer)) for _ in range(30)]
+  assert model.kernel[...].dtype == jnp.bfloat16
+  assert losses[-1] < 0.5 * losses[0]
+
+
+def test_flax_train_state_trains_bf16_model():
+  model = flax.linen.Dense(3, param_dtype=jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(0), (32, 4)).astype(jnp.bfloat16)
+  y = jnp.ones((32, 3))
+  params = model.init(jax.random.key(1), x)
+  state = train_state.TrainState.create(
+      apply_fn=model.apply, params=params, tx=ok.kahan(optax.adam(1e-2)))
+
+  @jax.jit
+  def train_step(state):
+    def loss_fn(params):
+      return jnp.mean(jnp.square(
+          state.apply_fn(params, x).astype(jnp.float32) - y))
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  losses = []
+  for _ in range(30):
+    state, loss = train_step(state)
+    losses.append(float(loss))
+  assert jax.tree.leaves(state.params)[0].dtype == jnp.bfloat16
+  assert losses[-1] < 0.5 * losses[0]
+
+
+def test_works_under_explicit_mesh():
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    sharding = jax.sharding.NamedSharding(mesh, jax.P("data"))
+    params = {"w": jax.device_put(jnp.ones(8, jnp.bfloat16), sharding)}
+    tx = ok.kahan(optax.adam(1e-3))
+    state = jax.jit(tx.init)(params)
+    assert state.residuals["w"].sharding.spec == jax.P("data")
+    updates, state = jax.jit(tx.update)({"w": jnp.ones(8, jnp.bfloat16)},
+                                        state, params)
+    params = optax.apply_updates(params, updates)
+    assert state.residuals["w"].sharding.memory_kind == "pinned_host"
+
+
+def test_bad_input_errors():
+  tx = ok.kahan(optax.sgd(1e-3))
+  with pytest.raises(ValueError, match=r"\['h'\].*float16"):
+    tx.init({"w": jnp.ones(2, jnp.bfloat16), "h": jnp.ones(2, jnp.float16)})
+  with pytest.raises(ValueError, match=r"\['step'\].*int32"):
+    tx.init({"step": jnp.zeros(2, jnp.int32)})
+  with pytest.raises(ValueError, match="rounding"):
+    ok.kahan(optax.sgd(1e-3), rounding="even")
+  params = {"a": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2, jnp.bfloat16)}
+  with pytest.raises(ValueError, match="tree structure"):
+    ok.kahan_apply_updates(params, params, {"a": jnp.zeros(2, jnp.uint16)})
+  with pytest.raises(ValueError, match=r"\['b'\] must be uint16\[2\]"):
+    ok.kahan_apply_updates(params, params, {"a": jnp.zeros(2, jnp.uint16),
+                                            "b": jnp.zeros(3, jnp.uint16)})
+  with pytest.raises(ValueError, match="needs params"):
+    tx.update(params, tx.init(params))
+  with pytest.raises(ValueError, match="float32"):
+    ok.kahan_from_float32({"w": jnp.ones(2, jnp.bfloat16)})
