@@ -31,8 +31,9 @@ Reference behaviours kept on purpose:
 * prodigyopt stores ``x0`` as a 0-d zero for an all-zero leaf to save memory;
   that is the same value as the zero slice kept here (shapes must be static
   under jit).
-* A learning-rate schedule is evaluated at the step count ``k`` (skipped steps
-  do not count), as prodigyopt's ``k``.
+* A learning-rate schedule is evaluated at the number of ``update`` calls, as
+  in optax (prodigyopt's scheduler likewise runs on outside the optimizer);
+  the bias correction uses the number of steps taken, prodigyopt's ``k``.
 
 Clipping the update (for example with ``optax.clip_by_block_rms`` inside the
 preconditioner) does not change ``r`` and ``s``, which see the raw gradient, but
@@ -61,7 +62,8 @@ class ScaleByProdigyState(NamedTuple):
   """State of ``scale_by_prodigy``.
 
   Attributes:
-    count: steps taken (prodigyopt's ``k``).
+    count: calls of ``update`` (learning-rate schedules are evaluated at it).
+    k: steps taken (prodigyopt's ``k``, for the bias correction).
     d: the current estimate ``d_k``.
     d_prev: the ``d`` the preconditioner's moments are scaled by.
     d_max: the largest ``d^`` seen.
@@ -71,6 +73,7 @@ class ScaleByProdigyState(NamedTuple):
     preconditioner_state: the wrapped preconditioner's state.
   """
   count: chex.Array
+  k: chex.Array
   d: chex.Array
   d_prev: chex.Array
   d_max: chex.Array
@@ -152,8 +155,11 @@ def scale_by_prodigy(
     check_positive("learning_rate", learning_rate, allow_zero=True)
   if isinstance(b3, (int, float)) and not 0.0 <= b3 < 1.0:
     raise ValueError(f"b3 must be in [0, 1), got {b3}")
-  if not isinstance(slice_p, int) or slice_p < 1:
-    raise ValueError(f"slice_p must be an integer >= 1, got {slice_p}")
+  if not isinstance(slice_p, int) or isinstance(slice_p, bool) or slice_p < 1:
+    raise ValueError(
+        f"slice_p must be a Python int >= 1 (it sets the state's shapes), got "
+        f"{slice_p!r}; with optax.inject_hyperparams pass "
+        "static_args=('slice_p',)")
   preconditioner = optax.with_extra_args_support(preconditioner)
 
   def init_fn(params):
@@ -161,6 +167,7 @@ def scale_by_prodigy(
     d = jnp.asarray(d0, dtype)
     return ScaleByProdigyState(
         count=jnp.zeros([], jnp.int32),
+        k=jnp.zeros([], jnp.int32),
         d=d, d_prev=d, d_max=d,
         numerator=jnp.zeros([], dtype),
         s=jax.tree.map(lambda p: jnp.zeros_like(_slice(p, slice_p)), params),
@@ -172,8 +179,9 @@ def scale_by_prodigy(
       raise ValueError("scale_by_prodigy needs params: "
                        "tx.update(grads, state, params)")
     dtype = state.d.dtype
-    k = state.count
-    lr = learning_rate(k) if callable(learning_rate) else learning_rate
+    k = state.k
+    lr = (learning_rate(state.count) if callable(learning_rate)
+          else learning_rate)
     lr = jnp.asarray(lr, dtype)
     d = state.d
     bc = 1.0
@@ -218,12 +226,14 @@ def scale_by_prodigy(
 
     new_updates = jax.tree.map(step, direction, params)
     new_state = ScaleByProdigyState(
-        count=jnp.where(skip, k, optax.safe_increment(k)),
+        count=state.count,
+        k=jnp.where(skip, k, optax.safe_increment(k)),
         d=d_new, d_prev=d, d_max=d_max,
         numerator=jnp.where(skip, state.numerator, numerator),
         s=s, params0=state.params0, preconditioner_state=pstate)
     new_state = jax.tree.map(lambda new, old: jnp.where(frozen, old, new),
                              new_state, state)
+    new_state = new_state._replace(count=optax.safe_increment(state.count))
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
