@@ -9,6 +9,7 @@ from optax_kahan.kahan import kahan
 from optax_kahan.kahan import kahan_apply_updates
 from optax_kahan.kahan import kahan_from_float32
 from optax_kahan.kahan import kahan_init
+from optax_kahan.kahan import kahan_replace_residuals
 from optax_kahan.kahan import kahan_residuals
 from optax_kahan.kahan import kahan_to_float32
 from optax_kahan.kahan import KahanState
@@ -41,6 +42,7 @@ __all__ = (
     "kahan_apply_updates",
     "kahan_from_float32",
     "kahan_init",
+    "kahan_replace_residuals",
     "kahan_residuals",
     "kahan_to_float32",
     "merge_float32",

@@ -377,3 +377,53 @@ def kahan_residuals(opt_state: optax.OptState) -> Residuals:
   if not found:
     raise ValueError("no KahanState in this optimizer state")
   return found[0].residuals
+
+
+def kahan_replace_residuals(
+    opt_state: optax.OptState, residuals: Residuals
+) -> optax.OptState:
+  """Puts ``residuals`` into every ``KahanState`` inside ``opt_state``.
+
+  Use it when the params change outside the optimizer (a checkpoint load, an
+  EMA swap): re-import exact float32 weights with
+  ``params, res = kahan_from_float32(w32)``, or reset with
+  ``res = kahan_init(params)`` (the float32 value of each weight is then its
+  bf16 value), then ``opt_state = kahan_replace_residuals(opt_state, res)``.
+
+  Stale residuals are never unsafe: ``merge(p, lo)`` lies within one bf16 ulp
+  of ``p`` whatever ``lo`` holds (within half an ulp in nearest mode, in
+  ``|p| <= |merge| < |p| + ulp`` in truncate mode), so forgetting to reset costs at most that
+  much per weight, once.
+
+  Args:
+    opt_state: a state containing one or more ``KahanState``.
+    residuals: a tree like the old residuals (same structure, dtypes, shapes).
+
+  Returns:
+    The state with the new residuals (in the memory kind they come in).
+
+  Raises:
+    ValueError: if there is no ``KahanState`` or the trees do not match.
+  """
+  found = [False]
+
+  def replace(s):
+    if not isinstance(s, KahanState):
+      return s
+    found[0] = True
+    old = jax.tree.structure(s.residuals, is_leaf=lambda x: x is None)
+    new = jax.tree.structure(residuals, is_leaf=lambda x: x is None)
+    if old != new:
+      raise ValueError(f"residuals do not match the state's:\n  state: {old}\n"
+                       f"  given: {new}")
+    for a, b in zip(jax.tree.leaves(s.residuals), jax.tree.leaves(residuals)):
+      if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"residual {b.dtype}{list(b.shape)} does not match "
+                         f"the state's {a.dtype}{list(a.shape)}")
+    return s._replace(residuals=residuals)
+
+  out = jax.tree.map(replace, opt_state,
+                     is_leaf=lambda x: isinstance(x, KahanState))
+  if not found[0]:
+    raise ValueError("no KahanState in this optimizer state")
+  return out

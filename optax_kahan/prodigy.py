@@ -164,14 +164,15 @@ def scale_by_prodigy(
 
   def init_fn(params):
     dtype = _scalar_dtype(params)
-    d = jnp.asarray(d0, dtype)
+    d = lambda: jnp.full([], d0, dtype)  # distinct buffers, so all donate
     return ScaleByProdigyState(
         count=jnp.zeros([], jnp.int32),
         k=jnp.zeros([], jnp.int32),
-        d=d, d_prev=d, d_max=d,
+        d=d(), d_prev=d(), d_max=d(),
         numerator=jnp.zeros([], dtype),
         s=jax.tree.map(lambda p: jnp.zeros_like(_slice(p, slice_p)), params),
-        params0=jax.tree.map(lambda p: _slice(p, slice_p), params),
+        params0=jax.tree.map(  # a copy, never the params' own buffer
+            lambda p: jnp.array(_slice(p, slice_p), copy=True), params),
         preconditioner_state=preconditioner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):

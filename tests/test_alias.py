@@ -1,5 +1,7 @@
 """The named optimizers under optax's conventions, and their state memory."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,3 +180,26 @@ def test_stable_adamw_bad_hyperparameters():
     ok.stable_adamw(1e-3, b2=1.0)
   with pytest.raises(ValueError, match="eps"):
     ok.stable_adamw(1e-3, eps=0.0)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("wrap", ["plain", "kahan"])
+def test_params_and_state_can_be_donated(name, wrap):
+  """Eagerly built states share no buffer with the params or each other."""
+  tx = OPTIMIZERS[name]()
+  if wrap == "kahan":
+    tx = ok.kahan(tx)
+  params = {"w": jnp.ones((4, 8), jnp.bfloat16), "b": jnp.ones(8, jnp.bfloat16),
+            "f": jnp.ones(3, jnp.float32)}
+  state = tx.init(params)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state):
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for _ in range(2):
+    params, state = step(params, state)
+  assert all(bool(jnp.all(jnp.isfinite(p.astype(jnp.float32))))
+             for p in jax.tree.leaves(params))

@@ -126,8 +126,7 @@ def test_training_is_bit_identical_to_float32_master(rounding):
     return optax.apply_updates(params, updates), state
 
   params, residuals = ok.kahan_from_float32(params_f32, rounding=rounding)
-  state = tx.init(params)
-  state = state._replace(residuals=residuals)
+  state = ok.kahan_replace_residuals(tx.init(params), residuals)
   for i in range(steps):
     params, state = kahan_step(params, state, (xs[i], ys[i]))
   assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
@@ -289,3 +288,30 @@ def test_bad_input_errors():
     tx.update(params, tx.init(params))
   with pytest.raises(ValueError, match="float32"):
     ok.kahan_from_float32({"w": jnp.ones(2, jnp.bfloat16)})
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_stale_residuals_cost_at_most_one_ulp(rounding):
+  """Params changed outside the optimizer, residuals kept: the error bound."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal(4096) * 10.0**rng.uniform(-5, 5, 4096),
+                  jnp.float32)
+  _, stale = ok.kahan_from_float32({"w": x}, rounding=rounding, offload=False)
+  new = {"w": jnp.asarray(rng.standard_normal(4096), jnp.bfloat16)}  # "loaded"
+  seen = ok.kahan_to_float32(new, stale, rounding=rounding)["w"]
+  p = np.asarray(new["w"], np.float64)
+  ulp = 2.0**(np.floor(np.log2(np.abs(p))) - 7)  # one bf16 ulp of p
+  err = np.asarray(seen, np.float64) - p
+  if rounding == "nearest":
+    assert (np.abs(err) <= 0.5 * ulp).all()
+  else:  # the low bits add to the magnitude
+    assert ((err * np.sign(p) >= 0) & (err * np.sign(p) < ulp)).all()
+  # Resetting removes the error; re-importing float32 weights is exact.
+  tx = ok.kahan(optax.sgd(0.1), rounding=rounding)
+  state = ok.kahan_replace_residuals(tx.init(new),
+                                     ok.kahan_init(new, rounding=rounding))
+  np.testing.assert_array_equal(
+      ok.kahan_to_float32(new, ok.kahan_residuals(state), rounding=rounding)["w"],
+      new["w"].astype(jnp.float32))
+  with pytest.raises(ValueError, match="does not match"):
+    ok.kahan_replace_residuals(state, {"w": jnp.zeros(3, jnp.uint16)})

@@ -1,0 +1,33 @@
+"""CI smoke runs of the benchmarks (--quick, tiny shapes): rows and relations."""
+
+import json
+
+import pytest
+
+from benchmarks import memory, speed
+
+
+def test_memory_quick_has_every_row():
+  results = memory.main(["--quick"])
+  (model, r), = results.items()
+  rows = r["rows"]
+  assert len(rows) == len(memory.setups())
+  assert rows["optax.adamw, float32 master weights (mixed precision)"][
+      "device_total_B_per_param"] == pytest.approx(14.0, abs=0.05)
+  kahan = rows["kahan(optax.adamw) on bf16"]
+  assert kahan["host_B_per_param"] == pytest.approx(2.0, abs=1e-6)
+  assert kahan["device_total_B_per_param"] == pytest.approx(10.0, abs=0.05)
+  assert (rows["prodigy_factored() on bf16"]["device_state_B_per_param"]
+          < rows["prodigy() on bf16"]["device_state_B_per_param"] / 10)
+  md = (memory.RESULTS / "memory_quick.md").read_text()
+  assert "kahan(prodigy_factored()) on bf16" in md
+
+
+def test_speed_quick_reports_every_ratio():
+  results = speed.main(["--quick", "--reps", "3"])
+  assert set(results["ratios"]) == {c[0] for c in speed.COMPARISONS}
+  for v in results["ratios"].values():
+    assert v["ratio"] > 0
+  assert results["copy_GBps"] > 0
+  saved = json.loads((speed.RESULTS / "speed_quick.json").read_text())
+  assert saved["ratios"].keys() == results["ratios"].keys()
