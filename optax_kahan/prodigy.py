@@ -83,8 +83,41 @@ class ScaleByProdigyState(NamedTuple):
   preconditioner_state: optax.OptState
 
 
+def _explicit_axes(x: Any) -> tuple[str, ...]:
+  """The Explicit mesh axes ``x`` is sharded over (none outside such a mesh)."""
+  sharding = jax.typeof(x).sharding
+  explicit = set(sharding.mesh.explicit_axes)
+  used = jax.tree.leaves(tuple(sharding.spec))
+  return tuple(a for a in used if a in explicit)
+
+
 def _slice(x: jax.Array, slice_p: int) -> jax.Array:
+  """Every ``slice_p``-th entry of the flattened ``x``.
+
+  Sharded over Explicit mesh axes, JAX's type rules refuse the strided slice
+  unless its length divides evenly; the slice is then left to the SPMD
+  partitioner (which exchanges only the entries near shard boundaries) and
+  the 1/slice_p result is replicated.
+  """
+  if slice_p > 1 and _explicit_axes(x):
+    return jax.sharding.auto_axes(
+        lambda y: jnp.reshape(y, (-1,))[::slice_p],
+        out_sharding=jax.P())(x)
   return jnp.reshape(x, (-1,))[::slice_p]
+
+
+def _keep_sharding(new: jax.Array, old: jax.Array) -> jax.Array:
+  """``new`` resharded to ``old``'s sharding under Explicit mesh axes.
+
+  The state keeps the layout it was initialized with (a preconditioner may
+  create a moment replicated that its update computes sharded), so the step's
+  types are stable and ``jnp.where`` gets matching shardings.
+  """
+  sharding = jax.typeof(old).sharding
+  if (not sharding.mesh.explicit_axes
+      or jax.typeof(new).sharding.spec == sharding.spec):
+    return new
+  return jax.sharding.reshard(new, sharding.spec)
 
 
 def _scalar_dtype(params: Any) -> jnp.dtype:
@@ -232,8 +265,9 @@ def scale_by_prodigy(
         d=d_new, d_prev=d, d_max=d_max,
         numerator=jnp.where(skip, state.numerator, numerator),
         s=s, params0=state.params0, preconditioner_state=pstate)
-    new_state = jax.tree.map(lambda new, old: jnp.where(frozen, old, new),
-                             new_state, state)
+    new_state = jax.tree.map(
+        lambda new, old: jnp.where(frozen, old, _keep_sharding(new, old)),
+        new_state, state)
     new_state = new_state._replace(count=optax.safe_increment(state.count))
     return new_updates, new_state
 

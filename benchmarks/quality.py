@@ -1,0 +1,215 @@
+"""Quality of four bf16 update rules, in the style of "Revisiting BFloat16 Training".
+
+    python -m benchmarks.quality [--quick] [--seeds 3]
+
+For each task the same initial weights, batches and optimizer are trained under:
+
+* ``float32``: float32 master weights; the forward pass sees their bf16
+  rounding (``split_float32(w)[0]``, ties away from zero, as Kahan's);
+* ``nearest``: bf16 weights, plain ``optax.apply_updates`` (round to nearest);
+* ``stochastic``: bf16 weights, ``stochastic_rounding(tx, key)``;
+* ``kahan``: bf16 weights, ``kahan(tx)`` (residuals in host memory).
+
+Reported per rule: the final loss (held-out set, bf16 forward pass) and the
+largest distance of any weight to the float32-master run, as mean ± std over
+``--seeds`` seeds (the seed changes the initial weights and the batch order).
+
+Tasks:
+
+* ``digits-logreg``: logistic regression on scikit-learn's digits (ships with
+  the package), AdamW lr 1e-3, from zero weights;
+* ``digits-mlp``: a 64-128-10 tanh MLP on the digits, AdamW lr 3e-4;
+* ``diffusion-polish``: the example's low-learning-rate polish of a pretrained
+  diffusion model (``examples/finetune_diffusion.py``), run through its own
+  ``polish`` code.
+
+Writes ``benchmarks/results/quality{,_quick}.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import statistics
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from sklearn.datasets import load_digits
+
+import optax_kahan as ok
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+ROOT = pathlib.Path(__file__).parent.parent
+RULES = ("float32", "nearest", "stochastic", "kahan")
+
+
+def _hi(tree):
+  """The bf16 the forward pass sees: nearest, ties away from zero."""
+  return jax.tree.map(lambda w: w if w.dtype == jnp.bfloat16
+                      else ok.split_float32(w)[0], tree)
+
+
+def train_rules(loss_fn: Callable, params32: dict, batches, eval_batch,
+                tx: optax.GradientTransformation, seed: int) -> dict:
+  """Trains ``params32`` under each rule; returns final loss and distance.
+
+  Every rule takes its gradients from one jitted function of the bf16 weights
+  the forward pass sees, so that the rules differ only in their update. The
+  Kahan run starts from the exact float32 weights (bf16 + residuals); the
+  other bf16 rules from their bf16 rounding.
+  """
+  grad_fn = jax.jit(jax.grad(loss_fn))
+  steps = len(jax.tree.leaves(batches)[0])
+  batch = lambda i: jax.tree.map(lambda a: a[i], batches)
+
+  @jax.jit
+  def master_step(w, s, g):
+    u, s = tx.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), s, w)
+    return optax.apply_updates(w, u), s
+
+  w, s = params32, tx.init(params32)
+  for i in range(steps):
+    w, s = master_step(w, s, grad_fn(_hi(w), batch(i)))
+  final = {"float32": w}
+
+  rules = {"nearest": tx,
+           "stochastic": ok.stochastic_rounding(tx, jax.random.key(seed)),
+           "kahan": ok.kahan(tx)}
+  for rule, wrapped in rules.items():
+    step = jax.jit(lambda w, s, g, wrapped=wrapped: (
+        lambda u_s: (optax.apply_updates(w, u_s[0]), u_s[1]))(
+            wrapped.update(g, s, w)))
+    w = _hi(params32)
+    s = wrapped.init(w)
+    if rule == "kahan":  # the residuals carry the float32 initial weights
+      w, residuals = ok.kahan_from_float32(params32)
+      s = ok.kahan_replace_residuals(s, residuals)
+    for i in range(steps):
+      w, s = step(w, s, grad_fn(w, batch(i)))
+    final[rule] = (ok.kahan_to_float32(w, ok.kahan_residuals(s))
+                   if rule == "kahan" else w)
+  out = {}
+  for rule in RULES:
+    w = final[rule]
+    out[rule] = {
+        "loss": float(loss_fn(_hi(w), eval_batch)),
+        "distance": max(float(jnp.max(jnp.abs(w[k].astype(jnp.float32)
+                                              - final["float32"][k])))
+                        for k in w),
+    }
+  return out
+
+
+def _digits(seed: int, steps: int, batch: int):
+  x, y = load_digits(return_X_y=True)
+  x = (x / 16.0).astype(np.float32)
+  rng = np.random.default_rng(seed)
+  order = rng.permutation(len(x))
+  test, train = order[:300], order[300:]
+  idx = rng.choice(train, (steps, batch))
+  batches = (jnp.asarray(x[idx]), jnp.asarray(y[idx]))
+  return batches, (jnp.asarray(x[test]), jnp.asarray(y[test])), rng
+
+
+def _xent(logits, y):
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), y))
+
+
+def digits_logreg(seed: int, steps: int) -> dict:
+  batches, test, _ = _digits(seed, steps, 64)
+  params = {"w": jnp.zeros((64, 10)), "b": jnp.zeros(10)}
+
+  def loss(p, b):
+    x, y = b
+    return _xent(x.astype(p["w"].dtype) @ p["w"] + p["b"], y)
+
+  return train_rules(loss, params, batches, test, optax.adamw(1e-3), seed)
+
+
+def digits_mlp(seed: int, steps: int) -> dict:
+  batches, test, rng = _digits(seed, steps, 64)
+  params = {"w1": jnp.asarray(rng.standard_normal((64, 128)) / 8, jnp.float32),
+            "b1": jnp.zeros(128),
+            "w2": jnp.asarray(rng.standard_normal((128, 10)) / 11, jnp.float32),
+            "b2": jnp.zeros(10)}
+
+  def loss(p, b):
+    x, y = b
+    h = jnp.tanh(x.astype(p["w1"].dtype) @ p["w1"] + p["b1"])
+    return _xent(h @ p["w2"] + p["b2"], y)
+
+  return train_rules(loss, params, batches, test, optax.adamw(3e-4), seed)
+
+
+def diffusion_polish(seed: int, steps: int, quick: bool) -> dict:
+  """The example's polish, through the example's own code."""
+  spec = importlib.util.spec_from_file_location(
+      "finetune_diffusion", ROOT / "examples" / "finetune_diffusion.py")
+  example = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(example)
+  return example.quality_rows(seed=seed, steps=steps, quick=quick)
+
+
+def summarize(per_seed: list[dict]) -> dict:
+  out = {}
+  for rule in RULES:
+    out[rule] = {}
+    for key in ("loss", "distance"):
+      vals = [r[rule][key] for r in per_seed]
+      out[rule][key] = {"mean": statistics.fmean(vals),
+                        "std": statistics.pstdev(vals) if len(vals) > 1 else 0.0,
+                        "values": vals}
+  return out
+
+
+def to_markdown(results: dict) -> str:
+  lines = ["| task | " + " | ".join(f"{r} loss" for r in RULES) + " | "
+           + " | ".join(f"{r} max\\|w − w_f32\\|" for r in RULES[1:]) + " |",
+           "|---|" + "---|" * (2 * len(RULES) - 1)]
+  for task, r in results["tasks"].items():
+    loss = [f"{r[x]['loss']['mean']:.4f} ± {r[x]['loss']['std']:.4f}"
+            for x in RULES]
+    dist = [f"{r[x]['distance']['mean']:.2e} ± {r[x]['distance']['std']:.1e}"
+            for x in RULES[1:]]
+    lines.append(f"| {task} | " + " | ".join(loss + dist) + " |")
+  lines.append("")
+  lines.append(f"Mean ± std over {results['seeds']} seeds; "
+               f"steps: {results['steps']}.")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--seeds", type=int, default=3)
+  parser.add_argument("--tasks", default="digits-logreg,digits-mlp,diffusion-polish")
+  args = parser.parse_args(argv)
+  steps = {"digits-logreg": 60 if args.quick else 600,
+           "digits-mlp": 60 if args.quick else 600,
+           "diffusion-polish": 4 if args.quick else 200}
+  tasks = {"digits-logreg": lambda s, n: digits_logreg(s, n),
+           "digits-mlp": lambda s, n: digits_mlp(s, n),
+           "diffusion-polish": lambda s, n: diffusion_polish(s, n, args.quick)}
+  results = {"seeds": args.seeds, "steps": {}, "tasks": {}}
+  for task in args.tasks.split(","):
+    per_seed = [tasks[task](seed, steps[task]) for seed in range(args.seeds)]
+    results["tasks"][task] = summarize(per_seed)
+    results["steps"][task] = steps[task]
+  md = to_markdown(results)
+  print(md)
+  RESULTS.mkdir(exist_ok=True)
+  suffix = "_quick" if args.quick else ""
+  (RESULTS / f"quality{suffix}.md").write_text(md)
+  (RESULTS / f"quality{suffix}.json").write_text(
+      json.dumps(results, indent=2) + "\n")
+  return results
+
+
+if __name__ == "__main__":
+  main()
