@@ -29,7 +29,6 @@ Writes ``benchmarks/results/quality{,_quick}.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import statistics
@@ -42,9 +41,9 @@ import optax
 from sklearn.datasets import load_digits
 
 import optax_kahan as ok
+from benchmarks import example
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-ROOT = pathlib.Path(__file__).parent.parent
 RULES = ("float32", "nearest", "stochastic", "kahan")
 
 
@@ -149,11 +148,7 @@ def digits_mlp(seed: int, steps: int) -> dict:
 
 def diffusion_polish(seed: int, steps: int, quick: bool) -> dict:
   """The example's polish, through the example's own code."""
-  spec = importlib.util.spec_from_file_location(
-      "finetune_diffusion", ROOT / "examples" / "finetune_diffusion.py")
-  example = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(example)
-  return example.quality_rows(seed=seed, steps=steps, quick=quick)
+  return example.load().quality_rows(seed=seed, steps=steps, quick=quick)
 
 
 def summarize(per_seed: list[dict]) -> dict:

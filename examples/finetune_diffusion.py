@@ -317,9 +317,9 @@ def to_bf16(params_f32: Params) -> Params:
 class PretrainConfig:
   """Everything the pretrained weights depend on (hashed into the cache key)."""
   width: int = 16
-  steps: int = 2000
-  lr: float = 2e-3
-  batch_size: int = 128
+  steps: int = 2500
+  lr: float = 3e-3
+  batch_size: int = 64
   seed: int = 0
 
   def cache_key(self) -> str:
@@ -524,7 +524,7 @@ class PolishSetup:
   steps: int
   batch_size: int
   seed: int
-  eval_every: int = 10
+  eval_every: int = 20
 
 
 @dataclasses.dataclass
@@ -632,19 +632,24 @@ def plot_loss_curves(path: pathlib.Path, results: dict[str, PolishResult],
   ax1.set_ylabel("held-out loss (fixed noise and t)")
   ax1.set_title("held-out loss")
   ax1.legend()
+  # Every rule sees the same batches, so batch-to-batch noise cancels in the
+  # difference to the float32 rule's training loss.
   window = 25
+  ref = (np.asarray(results["float32"].train_loss) if "float32" in results
+         else None)
   for rule, res in results.items():
     y = np.asarray(res.train_loss)
+    if ref is not None:
+      y = y - ref
     if len(y) >= window:
       y = np.convolve(y, np.ones(window) / window, mode="valid")
-      x = np.arange(window, len(res.train_loss) + 1)
-    else:
-      x = np.arange(1, len(y) + 1)
+    x = np.arange(len(res.train_loss) - len(y) + 1, len(res.train_loss) + 1)
     ax2.plot(x, y, styles[rule], color=colors[rule], label=rule,
              lw=2 if rule == "kahan" else 1.5)
   ax2.set_xlabel("polish step")
-  ax2.set_ylabel(f"training loss ({window}-step mean, same batches)")
-  ax2.set_title("training loss")
+  what = "training loss" + (" - float32's" if ref is not None else "")
+  ax2.set_ylabel(f"{what} ({window}-step mean)")
+  ax2.set_title(what + ", same batches")
   ax2.legend()
   fig.suptitle(title)
   fig.tight_layout()
@@ -670,7 +675,7 @@ def plot_samples(path: pathlib.Path, samples: dict[str, np.ndarray],
   names = list(samples)
   base = samples["pretrained"]
   cols = int(math.sqrt(base.shape[0]))
-  fig, axes = plt.subplots(2, len(names), figsize=(2.6 * len(names), 5.6),
+  fig, axes = plt.subplots(2, len(names), figsize=(2.8 * len(names), 6.4),
                            squeeze=False)
   diff_max = max(float(np.max(np.abs(s - base))) for s in samples.values())
   diff_max = diff_max or 1.0
@@ -712,9 +717,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                  help="polish learning rate (prodigy: multiplier of d); "
                  f"default per optimizer: {DEFAULT_LR}")
   p.add_argument("--steps", type=int, default=400, help="polish steps")
-  p.add_argument("--pretrain-steps", type=int, default=2000)
-  p.add_argument("--pretrain-lr", type=float, default=2e-3)
-  p.add_argument("--batch-size", type=int, default=128)
+  p.add_argument("--pretrain-steps", type=int, default=2500)
+  p.add_argument("--pretrain-lr", type=float, default=3e-3)
+  p.add_argument("--batch-size", type=int, default=64,
+                 help="batch size of pretraining and polish")
   p.add_argument("--width", type=int, default=16,
                  help="UNet base channels (the 4x4 level has twice as many)")
   p.add_argument("--rules", default=",".join(RULES),
@@ -723,7 +729,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--retrain", action="store_true",
                  help="pretrain even if cached weights exist")
-  p.add_argument("--eval-every", type=int, default=10,
+  p.add_argument("--eval-every", type=int, default=20,
                  help="held-out loss every this many polish steps")
   p.add_argument("--num-samples", type=int, default=36)
   p.add_argument("--sample-steps", type=int, default=40,

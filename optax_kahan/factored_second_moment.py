@@ -112,9 +112,10 @@ def scale_by_factored_second_moment(
 
   def init_moment(p):
     if factored(p):
+      # zeros_like of the means: the state takes the update's own sharding.
       return FactoredMoment(
-          row=jnp.zeros(p.shape[:-1], p.dtype),
-          col=jnp.zeros(p.shape[:-2] + p.shape[-1:], p.dtype), v=None)
+          row=jnp.zeros_like(jnp.mean(p, axis=-1), dtype=p.dtype),
+          col=jnp.zeros_like(jnp.mean(p, axis=-2), dtype=p.dtype), v=None)
     return FactoredMoment(row=None, col=None, v=jnp.zeros_like(p))
 
   def init_fn(params):

@@ -291,6 +291,11 @@ def kahan(
   Float32 and float64 leaves need no residual: their update is ``inner``'s,
   unchanged. Other dtypes raise a ValueError at init naming the leaf.
 
+  ``init(params)`` starts the residuals at zero: the float32 value of each
+  weight is its bf16 value. ``init(params, residuals)`` starts from exact
+  float32 weights, e.g. ``params, residuals = kahan_from_float32(w32)``, and
+  the inner state is initialized from them too (Prodigy's ``x0``, say).
+
   Donation: params and state can be donated to the jitted step. The residuals
   travel between host and device inside it, so XLA does not alias their
   buffers across memory kinds; that costs nothing but the aliasing.
@@ -320,9 +325,15 @@ def kahan(
   bits.check_rounding(rounding)
   inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params):
-    residuals = kahan_init(params, rounding=rounding, offload=offload)
-    return KahanState(residuals, inner.init(_upcast(params)))
+  def init_fn(params, residuals=None):
+    if residuals is None:
+      residuals = kahan_init(params, rounding=rounding, offload=offload)
+      return KahanState(residuals, inner.init(_upcast(params)))
+    _check_residuals(params, residuals)
+    exact = kahan_to_float32(params, residuals, rounding=rounding)
+    residuals = jax.tree.map(lambda lo: to_host(lo) if offload else lo,
+                             residuals)
+    return KahanState(residuals, inner.init(exact))
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
@@ -344,7 +355,9 @@ def kahan(
       if lo is None:
         return u, None
       hi, new_lo = bits.split_float32(x + u.astype(jnp.float32), rounding)
-      delta = hi.astype(jnp.float32) - p.astype(jnp.float32)
+      # (where: a weight that stays at +-Inf must not get Inf - Inf = NaN)
+      delta = jnp.where(hi == p, 0.0,
+                        hi.astype(jnp.float32) - p.astype(jnp.float32))
       return delta, to_host(new_lo) if offload else new_lo
 
     deltas, residuals = _unzip(

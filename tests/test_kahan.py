@@ -315,3 +315,17 @@ def test_stale_residuals_cost_at_most_one_ulp(rounding):
       new["w"].astype(jnp.float32))
   with pytest.raises(ValueError, match="does not match"):
     ok.kahan_replace_residuals(state, {"w": jnp.zeros(3, jnp.uint16)})
+
+
+def test_init_from_exact_float32_weights():
+  w32 = {"w": jnp.linspace(-1, 1, 22, dtype=jnp.float32) + 1e-4}
+  params, residuals = ok.kahan_from_float32(w32)
+  tx = ok.kahan(ok.prodigy())
+  state = tx.init(params, residuals)
+  assert state.residuals["w"].sharding.memory_kind == "pinned_host"
+  np.testing.assert_array_equal(
+      ok.kahan_to_float32(params, state.residuals)["w"], w32["w"])
+  # The inner state saw the exact weights (Prodigy's x0), not their bf16.
+  np.testing.assert_array_equal(state.inner_state.params0["w"], w32["w"])
+  with pytest.raises(ValueError, match="uint16"):
+    tx.init(params, {"w": jnp.zeros(3, jnp.uint16)})

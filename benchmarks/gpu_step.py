@@ -1,0 +1,203 @@
+"""A full training step of the example's model: Kahan with host offload vs plain bf16.
+
+    python -m benchmarks.gpu_step [--quick] [--width 384] [--batch 256]
+
+The step is forward + backward + optimizer update + apply, jitted once with
+params and state donated, on the UNet of ``examples/finetune_diffusion.py``
+(widened so that the optimizer's memory matters). Configurations:
+
+* ``bf16 adamw``: bf16 params, ``optax.adamw`` (bf16 state), plain apply;
+* ``kahan(adamw)``: bf16 params, float32 state, residuals in ``pinned_host``;
+* ``kahan(prodigy_factored)``: the low-memory configuration;
+* ``float32 master adamw``: classic mixed precision.
+
+Per configuration: the median step time (interleaved, in one process) as a
+ratio to ``bf16 adamw``; ``compiled.memory_analysis()`` (device and host
+argument / temporary bytes, which XLA reports separately on GPU); and the peak
+device memory of a fresh process running only that configuration
+(``jax.local_devices()[0].memory_stats()['peak_bytes_in_use']``, where the
+backend has it). The question: does XLA overlap the residual copies with
+compute, and does it avoid bringing every residual onto the device at once
+(peak of ``kahan`` minus peak of ``bf16`` compared with 2 B/param)?
+
+Writes ``benchmarks/results/gpu_step{,_quick}.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import optax_kahan as ok
+from benchmarks import example
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+ROOT = pathlib.Path(__file__).parent.parent
+CONFIGS = ("bf16 adamw", "kahan(adamw)", "kahan(prodigy_factored)",
+           "float32 master adamw")
+
+
+def make_step(name: str, width: int, batch: int):
+  """Returns (jitted step, carry, batch, number of params)."""
+  ex = example.load()
+  graphdef, params32 = ex.build_model(width, seed=0)
+  n = ex.count_params(params32)
+  key = jax.random.key(0)
+  x0 = jax.random.uniform(key, (batch, 8, 8, 1), minval=-1, maxval=1)
+  eps = jax.random.normal(jax.random.fold_in(key, 1), x0.shape)
+  t = jax.random.uniform(jax.random.fold_in(key, 2), (batch,))
+  data = (x0, eps, t)
+
+  def loss(p, data):
+    return ex.flow_matching_loss(graphdef, p, *data)
+
+  if name == "float32 master adamw":
+    tx = optax.adamw(1e-5)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def step(carry, data):
+      master, state = carry
+      g = jax.grad(loss)(ex.to_bf16(master), data)
+      g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+      u, state = tx.update(g, state, master)
+      return optax.apply_updates(master, u), state
+
+    return step, (params32, jax.jit(tx.init)(params32)), data, n
+
+  tx = {"bf16 adamw": optax.adamw(1e-5),
+        "kahan(adamw)": ok.kahan(optax.adamw(1e-5)),
+        "kahan(prodigy_factored)": ok.kahan(ok.prodigy_factored())}[name]
+  params = ex.to_bf16(params32)
+
+  @functools.partial(jax.jit, donate_argnums=(0,))
+  def step(carry, data):
+    params, state = carry
+    u, state = tx.update(jax.grad(loss)(params, data), state, params)
+    return optax.apply_updates(params, u), state
+
+  return step, (params, jax.jit(tx.init)(params)), data, n
+
+
+def analysis(compiled) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  fields = ("argument_size_in_bytes", "output_size_in_bytes",
+            "temp_size_in_bytes", "host_argument_size_in_bytes",
+            "host_output_size_in_bytes", "host_temp_size_in_bytes")
+  return {f: int(getattr(m, f, 0) or 0) for f in fields}
+
+
+def peak_of(name: str, width: int, batch: int) -> dict:
+  """Runs one configuration in this (fresh) process; its peak device bytes."""
+  step, carry, data, n = make_step(name, width, batch)
+  for _ in range(3):
+    carry = step(carry, data)
+  jax.block_until_ready(carry)
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return {"params": n, "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+          "residual_memory_kinds": sorted({
+              r.sharding.memory_kind for r in jax.tree.leaves(
+                  [s.residuals for s in jax.tree.leaves(
+                      carry, is_leaf=lambda x: isinstance(x, ok.KahanState))
+                   if isinstance(s, ok.KahanState)])})}
+
+
+def run(width: int, batch: int, reps: int) -> dict:
+  steps, carries, datas, mem = {}, {}, {}, {}
+  for name in CONFIGS:
+    step, carries[name], datas[name], n = make_step(name, width, batch)
+    steps[name] = step.lower(carries[name], datas[name]).compile()
+    mem[name] = analysis(steps[name])
+    carries[name] = steps[name](carries[name], datas[name])
+    jax.block_until_ready(carries[name])
+  times = {name: [] for name in CONFIGS}
+  for _ in range(reps):
+    for name in CONFIGS:
+      t0 = time.perf_counter()
+      carries[name] = steps[name](carries[name], datas[name])
+      jax.block_until_ready(carries[name])
+      times[name].append(time.perf_counter() - t0)
+  base = statistics.median(times["bf16 adamw"])
+  peaks = {name: {"peak_bytes_in_use": None, "residual_memory_kinds": []}
+           for name in CONFIGS}
+  has_stats = bool(jax.local_devices()[0].memory_stats())  # None on CPU
+  for name in CONFIGS if has_stats else ():  # fresh process: peaks are global
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_step", "--peak-of", name,
+         "--width", str(width), "--batch", str(batch)],
+        cwd=ROOT, capture_output=True, text=True, check=True)
+    peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])
+  rows = {}
+  for name in CONFIGS:
+    peak = peaks[name]["peak_bytes_in_use"]
+    kinds = peaks[name]["residual_memory_kinds"] or sorted({
+        r.sharding.memory_kind for s in jax.tree.leaves(
+            carries[name], is_leaf=lambda x: isinstance(x, ok.KahanState))
+        if isinstance(s, ok.KahanState) for r in jax.tree.leaves(s.residuals)})
+    rows[name] = {
+        "time_ratio_vs_bf16": statistics.median(times[name]) / base,
+        "median_ms": 1e3 * statistics.median(times[name]),
+        **mem[name],
+        "peak_bytes_in_use": peak,
+        "peak_B_per_param": None if peak is None else peak / n,
+        "residual_memory_kinds": kinds,
+    }
+  return {"params": n, "width": width, "batch": batch, "reps": reps,
+          "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+          "rows": rows}
+
+
+def to_markdown(r: dict) -> str:
+  n = r["params"]
+  lines = [f"{r['device']}; UNet width {r['width']}, {n / 1e6:.1f}M params, "
+           f"batch {r['batch']}, median of {r['reps']}.", "",
+           "| configuration | step time vs bf16 | device args B/param | "
+           "host args B/param | device temp B/param | peak device B/param | "
+           "residuals in |", "|---|---|---|---|---|---|---|"]
+  for name, v in r["rows"].items():
+    peak = ("n/a" if v["peak_B_per_param"] is None
+            else f"{v['peak_B_per_param']:.2f}")
+    lines.append(
+        f"| {name} | {v['time_ratio_vs_bf16']:.2f} | "
+        f"{v['argument_size_in_bytes'] / n:.2f} | "
+        f"{v['host_argument_size_in_bytes'] / n:.2f} | "
+        f"{v['temp_size_in_bytes'] / n:.2f} | {peak} | "
+        f"{', '.join(v['residual_memory_kinds']) or '-'} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--width", type=int, default=None)
+  parser.add_argument("--batch", type=int, default=None)
+  parser.add_argument("--reps", type=int, default=None)
+  parser.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  width = args.width or (8 if args.quick else 384)
+  batch = args.batch or (8 if args.quick else 256)
+  if args.peak_of:
+    print(json.dumps(peak_of(args.peak_of, width, batch)))
+    return {}
+  results = run(width, batch, args.reps or (3 if args.quick else 20))
+  md = to_markdown(results)
+  print(md)
+  RESULTS.mkdir(exist_ok=True)
+  suffix = "_quick" if args.quick else ""
+  (RESULTS / f"gpu_step{suffix}.md").write_text(md)
+  (RESULTS / f"gpu_step{suffix}.json").write_text(
+      json.dumps(results, indent=2) + "\n")
+  return results
+
+
+if __name__ == "__main__":
+  main()
