@@ -138,3 +138,15 @@ def test_prodigy_slices_and_rows_layout(child):
   info = report["prodigy/explicit"]
   assert info["s"]["w1"] == [[-(-256 * 128 // 11)], "P(None,)"]
   assert "fsdp" in info["row"]["w1"], info["row"]
+
+
+def test_sharded_training_example_runs():
+  import pathlib
+  import subprocess
+  import sys
+  script = pathlib.Path(__file__).parent.parent / "examples" / "sharded_training.py"
+  out = subprocess.run([sys.executable, str(script)], capture_output=True,
+                       text=True, check=True, timeout=120).stdout
+  assert "devices: 8" in out
+  assert "P('fsdp', None), memory kind: pinned_host" in out
+  assert "bf16 weight: 1.0, exact float32 weight: 0.9996999" in out

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The GPU benchmarks, in one go (under 5 minutes on one H100/H200-class GPU):
+#   1. the optimizer-step speed ratios (benchmarks/speed.py, 46M params);
+#   2. a full training step of the example's UNet (58M params): Kahan with host
+#      offload against plain bf16, step-time ratio, device/host bytes from
+#      compiled.memory_analysis() and the peak device memory of each setup.
+# Needs jax with its GPU plugin, optax, flax, chex and scikit-learn installed;
+# the package is used from this checkout, and nothing is downloaded.
+# Results land in benchmarks/results/{speed,gpu_step}.{md,json}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # so that peak_bytes_in_use is ours
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+python3 -m benchmarks.speed --reps 30
+python3 -m benchmarks.gpu_step --width 384 --batch 256 --reps 30
+if [ -f benchmarks/step_memory.py ]; then python3 -m benchmarks.step_memory; fi
