@@ -12,8 +12,6 @@ Takes about a minute per mode on 2 CPU cores.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import time
 
 import jax
@@ -21,8 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import optax_kahan as ok
-
-RESULTS = pathlib.Path(__file__).parent / "results"
+from benchmarks import report
 
 
 def count_chunk(start: jax.Array, size: int, rounding: str) -> jax.Array:
@@ -68,15 +65,12 @@ def main(argv=None) -> dict:
     lines.append(f"| {mode} | {r['exact']:,} | {r['not_exact']:,} | "
                  f"{r['nan']:,} ({r['nan_kept']:,} kept) | "
                  f"{r['finite_to_inf']} |")
-  table = "\n".join(lines)
-  print(table)
+  table = "\n".join(lines) + "\n"
   for mode, r in results.items():
     assert r["exact"] + r["not_exact"] + r["nan"] == 2**32
     assert r["nan_kept"] == r["nan"] and r["finite_to_inf"] == 0
     assert r["not_exact_outside_band"] == 0, (mode, r)
-  RESULTS.mkdir(exist_ok=True)
-  (RESULTS / "bits.md").write_text(table + "\n")
-  (RESULTS / "bits.json").write_text(json.dumps(results, indent=2) + "\n")
+  report.save("bits", table, results)
   return results
 
 

@@ -40,8 +40,8 @@ import optax
 
 import optax_kahan as ok
 from benchmarks import example
+from benchmarks import report
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 ROOT = pathlib.Path(__file__).parent.parent
 CONFIGS = ("bf16 adamw", "kahan(adamw)", "kahan(prodigy_factored)",
            "float32 master adamw")
@@ -189,13 +189,7 @@ def main(argv=None) -> dict:
     print(json.dumps(peak_of(args.peak_of, width, batch)))
     return {}
   results = run(width, batch, args.reps or (3 if args.quick else 20))
-  md = to_markdown(results)
-  print(md)
-  RESULTS.mkdir(exist_ok=True)
-  suffix = "_quick" if args.quick else ""
-  (RESULTS / f"gpu_step{suffix}.md").write_text(md)
-  (RESULTS / f"gpu_step{suffix}.json").write_text(
-      json.dumps(results, indent=2) + "\n")
+  report.save("gpu_step", to_markdown(results), results, args.quick)
   return results
 
 

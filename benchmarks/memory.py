@@ -17,8 +17,6 @@ Writes ``benchmarks/results/memory.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 from typing import Callable, NamedTuple
 
 import jax
@@ -27,8 +25,8 @@ import optax
 
 import optax_kahan as ok
 from benchmarks import model_shapes
+from benchmarks import report
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 class Setup(NamedTuple):
@@ -146,13 +144,7 @@ def main(argv=None) -> dict:
   else:
     models = model_shapes.MODELS
   results = run(models)
-  md = to_markdown(results)
-  print(md)
-  RESULTS.mkdir(exist_ok=True)
-  suffix = "_quick" if args.quick else ""
-  (RESULTS / f"memory{suffix}.md").write_text(md)
-  (RESULTS / f"memory{suffix}.json").write_text(
-      json.dumps(results, indent=2) + "\n")
+  report.save("memory", to_markdown(results), results, args.quick)
   return results
 
 

@@ -29,8 +29,6 @@ Writes ``benchmarks/results/quality{,_quick}.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
 from typing import Callable
 
@@ -42,8 +40,8 @@ from sklearn.datasets import load_digits
 
 import optax_kahan as ok
 from benchmarks import example
+from benchmarks import report
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 RULES = ("float32", "nearest", "stochastic", "kahan")
 
 
@@ -196,13 +194,7 @@ def main(argv=None) -> dict:
     per_seed = [tasks[task](seed, steps[task]) for seed in range(args.seeds)]
     results["tasks"][task] = summarize(per_seed)
     results["steps"][task] = steps[task]
-  md = to_markdown(results)
-  print(md)
-  RESULTS.mkdir(exist_ok=True)
-  suffix = "_quick" if args.quick else ""
-  (RESULTS / f"quality{suffix}.md").write_text(md)
-  (RESULTS / f"quality{suffix}.json").write_text(
-      json.dumps(results, indent=2) + "\n")
+  report.save("quality", to_markdown(results), results, args.quick)
   return results
 
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import pathlib
 import platform
 import statistics
 import time
@@ -34,8 +32,8 @@ import optax
 
 import optax_kahan as ok
 from benchmarks import model_shapes
+from benchmarks import report
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 class Config(NamedTuple):
@@ -199,13 +197,7 @@ def main(argv=None) -> dict:
                                           single_blocks=2, head_dim=64)
   reps = args.reps or (5 if args.quick else 25)
   results = run(shapes, reps)
-  md = to_markdown(results)
-  print(md)
-  RESULTS.mkdir(exist_ok=True)
-  suffix = "_quick" if args.quick else ""
-  (RESULTS / f"speed{suffix}.md").write_text(md)
-  (RESULTS / f"speed{suffix}.json").write_text(
-      json.dumps(results, indent=2) + "\n")
+  report.save("speed", to_markdown(results), results, args.quick)
   return results
 
 

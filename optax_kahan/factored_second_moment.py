@@ -42,7 +42,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan.second_moment import check_beta, rescale_moment
+from optax_kahan.second_moment import check_beta
+from optax_kahan.second_moment import first_moment
+from optax_kahan.second_moment import rescale_moment
 
 
 class FactoredMoment(NamedTuple):
@@ -149,13 +151,7 @@ def scale_by_factored_second_moment(
     v_hat = treedef.unflatten([v for _, v in moments])
 
     g32 = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
-    if use_mu:
-      mu = jax.tree.map(lambda m, g: rescale_moment(m, b1, d_ratio, g),
-                        state.mu, g32)
-      num = mu
-    else:
-      mu = None
-      num = jax.tree.map(lambda g: d_growth * g, g32)
+    mu, num = first_moment(state.mu, g32, b1, d_ratio, d_growth)
 
     out = jax.tree.map(
         lambda g, m, v: (m.astype(jnp.float32) / (jnp.sqrt(v) + d_growth * eps)

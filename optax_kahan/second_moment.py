@@ -59,6 +59,22 @@ def rescale_moment(moment: jax.Array, decay: chex.Numeric, scale: chex.Numeric,
   return out.astype(moment.dtype)
 
 
+def first_moment(mu: Optional[optax.Updates], g32: optax.Updates,
+                 b1: chex.Numeric, d_ratio: chex.Numeric,
+                 d_growth: chex.Numeric) -> tuple[Optional[optax.Updates],
+                                                  optax.Updates]:
+  """The new first moment (None when there is none) and the step's numerator.
+
+  With a first moment: ``m <- b1 rho m + (1 - b1) g`` is also the numerator.
+  Without (``mu is None``, b1 = 0): the numerator is ``d_growth * g``, as
+  prodigyopt's ``d_{k+1} g`` in the rescaled form.
+  """
+  if mu is None:
+    return None, jax.tree.map(lambda g: d_growth * g, g32)
+  mu = jax.tree.map(lambda m, g: rescale_moment(m, b1, d_ratio, g), mu, g32)
+  return mu, mu
+
+
 def scale_by_second_moment(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -114,13 +130,7 @@ def scale_by_second_moment(
     g32 = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
     nu = jax.tree.map(lambda v, g: rescale_moment(v, b2, d_ratio**2, g * g),
                       state.nu, g32)
-    if use_mu:
-      mu = jax.tree.map(lambda m, g: rescale_moment(m, b1, d_ratio, g),
-                        state.mu, g32)
-      num = mu
-    else:
-      mu = None
-      num = jax.tree.map(lambda g: d_growth * g, g32)
+    mu, num = first_moment(state.mu, g32, b1, d_ratio, d_growth)
     c1, c2 = 1.0, 1.0
     if bias_correction:
       t = count.astype(jnp.float32)

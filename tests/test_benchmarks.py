@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import memory, speed
+from benchmarks import memory, report, speed
 
 
 def test_memory_quick_has_every_row():
@@ -19,7 +19,7 @@ def test_memory_quick_has_every_row():
   assert kahan["device_total_B_per_param"] == pytest.approx(10.0, abs=0.05)
   assert (rows["prodigy_factored() on bf16"]["device_state_B_per_param"]
           < rows["prodigy() on bf16"]["device_state_B_per_param"] / 10)
-  md = (memory.RESULTS / "memory_quick.md").read_text()
+  md = (report.RESULTS / "memory_quick.md").read_text()
   assert "kahan(prodigy_factored()) on bf16" in md
 
 
@@ -29,5 +29,5 @@ def test_speed_quick_reports_every_ratio():
   for v in results["ratios"].values():
     assert v["ratio"] > 0
   assert results["copy_GBps"] > 0
-  saved = json.loads((speed.RESULTS / "speed_quick.json").read_text())
+  saved = json.loads((report.RESULTS / "speed_quick.json").read_text())
   assert saved["ratios"].keys() == results["ratios"].keys()
