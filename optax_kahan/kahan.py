@@ -404,9 +404,9 @@ def kahan_replace_residuals(
   bf16 value), then ``opt_state = kahan_replace_residuals(opt_state, res)``.
 
   Stale residuals are never unsafe: ``merge(p, lo)`` lies within one bf16 ulp
-  of ``p`` whatever ``lo`` holds (within half an ulp in nearest mode, in
-  ``|p| <= |merge| < |p| + ulp`` in truncate mode), so forgetting to reset costs at most that
-  much per weight, once.
+  of ``p`` whatever ``lo`` holds (within half an ulp in nearest mode;
+  ``|p| <= |merge| < |p| + ulp`` in truncate mode), so forgetting to reset
+  costs at most that much per weight, once.
 
   Args:
     opt_state: a state containing one or more ``KahanState``.
