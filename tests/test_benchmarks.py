@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import memory, report, speed
+from benchmarks import memory, quality, report, speed
 
 
 def test_memory_quick_has_every_row():
@@ -31,3 +31,13 @@ def test_speed_quick_reports_every_ratio():
   assert results["copy_GBps"] > 0
   saved = json.loads((report.RESULTS / "speed_quick.json").read_text())
   assert saved["ratios"].keys() == results["ratios"].keys()
+
+
+def test_quality_quick_has_every_task_and_kahan_is_exact():
+  results = quality.main(["--quick", "--seeds", "2"])
+  assert set(results["tasks"]) == {"digits-logreg", "digits-mlp",
+                                   "diffusion-polish"}
+  for task, r in results["tasks"].items():
+    assert r["kahan"]["distance"]["values"] == [0.0, 0.0], task
+    assert r["nearest"]["distance"]["mean"] > 0, task
+  assert "digits-mlp" in (report.RESULTS / "quality_quick.md").read_text()

@@ -1,0 +1,65 @@
+"""Smoke test of examples/finetune_diffusion.py at a tiny size (well under 40 s)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+_EXAMPLE = (pathlib.Path(__file__).resolve().parents[1] / "examples" /
+            "finetune_diffusion.py")
+
+
+def _load_example():
+  """Imports the example by path (examples/ is not a package)."""
+  name = "finetune_diffusion_example"
+  if name in sys.modules:
+    return sys.modules[name]
+  spec = importlib.util.spec_from_file_location(name, _EXAMPLE)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module  # dataclasses look the module up while building
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_finetune_diffusion_smoke(tmp_path):
+  example = _load_example()
+  argv = ["--pretrain-steps", "30", "--steps", "20", "--width", "8",
+          "--batch-size", "16", "--eval-every", "10", "--num-samples", "4",
+          "--sample-steps", "4", "--out", str(tmp_path), "--no-progress",
+          # stochastic rounding is left out: its step alone takes ~6 s to
+          # compile here.
+          "--rules", "float32,nearest,kahan"]
+  results = example.main(argv)
+
+  for name in ("loss_curves.png", "samples.png", "results.json"):
+    assert (tmp_path / name).stat().st_size > 0, name
+  saved = json.loads((tmp_path / "results.json").read_text())
+  table = saved["table"]
+  assert set(table) == {"pretrained", "float32", "nearest", "kahan"}
+  assert table == json.loads(json.dumps(results["table"]))
+
+  # Kahan-compensated bf16 updates follow the float32 master bit for bit.
+  assert table["kahan"]["max_abs_diff_to_float32"] == 0.0
+  assert table["kahan"]["bits_differ_from_float32"] == 0
+  assert table["float32"]["max_abs_diff_to_float32"] == 0.0
+  # Plain bf16 updates (round to nearest) drop most of the small updates.
+  assert (table["nearest"]["changed_fraction"] <
+          table["kahan"]["changed_fraction"])
+  assert table["nearest"]["max_abs_diff_to_float32"] > 0.0
+  # Residuals live in host memory: 2 bytes per parameter.
+  assert table["kahan"]["host_bytes_per_param"] == 2.0
+  assert table["nearest"]["host_bytes_per_param"] == 0.0
+  for rule in ("float32", "nearest", "kahan"):
+    curve = saved["curves"][rule]
+    assert len(curve["train_loss"]) == 20
+    assert curve["eval_steps"] == [0, 10, 20]
+
+  # The pretrained weights are cached under --out, keyed by their config.
+  cfg = example.PretrainConfig(**saved["pretrain"]["config"])
+  train, _ = example.load_digits_split()
+  _, info = example.pretrain(cfg, train, tmp_path, progress=False)
+  assert info["cached"] and not saved["pretrain"]["cached"]
+  other = example.PretrainConfig(**{**saved["pretrain"]["config"], "lr": 1.0})
+  assert other.cache_key() != cfg.cache_key()
