@@ -130,6 +130,37 @@ def copy_bandwidth(n_bytes: int, reps: int) -> float:
   return 2 * n_bytes / statistics.median(times) / 1e9
 
 
+def temporary_cost(n: int, reps: int) -> dict[str, float]:
+  """Times two outputs sharing one float32 intermediate (a temporary) against
+  the same outputs computed independently (no temporary), donated."""
+
+  def shared(c):
+    a, b = c
+    y = jnp.sqrt(a * 1.0001 + b)  # read by both outputs: materialized
+    return y + a, y - b
+
+  def separate(c):
+    a, b = c
+    return a * 1.0001 + 1e-7, b * 0.9999
+
+  fns = {k: jax.jit(f, donate_argnums=(0,))
+         for k, f in (("with temporary", shared), ("without", separate))}
+  carries = {k: (jnp.ones(n), jnp.ones(n)) for k in fns}
+  times = {k: [] for k in fns}
+  for i in range(reps + 1):
+    for k, f in fns.items():
+      t0 = time.perf_counter()
+      carries[k] = jax.block_until_ready(f(carries[k]))
+      if i:  # the first call compiles
+        times[k].append(time.perf_counter() - t0)
+  temp = fns["with temporary"].lower(carries["without"]).compile()
+  return {"elements": n,
+          "temp_bytes_per_element":
+              temp.memory_analysis().temp_size_in_bytes / n,
+          "ratio": statistics.median(times["with temporary"])
+                   / statistics.median(times["without"])}
+
+
 def run(shapes: model_shapes.Shapes, reps: int) -> dict:
   n = model_shapes.num_params(shapes)
   steps, carries, grads = {}, {}, {}
@@ -161,6 +192,7 @@ def run(shapes: model_shapes.Shapes, reps: int) -> dict:
     ratios[label] = {"ratio": r, "goal": goal,
                      "met": None if goal is None else r <= goal}
   return {"params": n, "reps": reps, "copy_GBps": copy_gbs,
+          "temporary_cost": temporary_cost(n // 2, reps),
           "machine": f"{platform.machine()}, {jax.devices()[0].device_kind}, "
                      f"{jax.device_count()} device(s)",
           "configs": per_config, "ratios": ratios}
@@ -181,6 +213,10 @@ def to_markdown(r: dict) -> str:
     lines.append(f"| {name} | {v['bytes_per_param']:.1f} | "
                  f"{v['achieved_GBps']:.1f} | "
                  f"{v['fraction_of_copy_bandwidth']:.2f} |")
+  t = r["temporary_cost"]
+  lines += ["", f"Cost of a temporary buffer ({t['temp_bytes_per_element']:.0f} "
+            f"B/element, {t['elements'] / 1e6:.1f}M elements): "
+            f"{t['ratio']:.1f}x the time of the same arithmetic without it."]
   return "\n".join(lines) + "\n"
 
 

@@ -34,10 +34,10 @@ def test_speed_quick_reports_every_ratio():
 
 
 def test_quality_quick_has_every_task_and_kahan_is_exact():
-  results = quality.main(["--quick", "--seeds", "2"])
+  results = quality.main(["--quick", "--seeds", "1"])
   assert set(results["tasks"]) == {"digits-logreg", "digits-mlp",
                                    "diffusion-polish"}
   for task, r in results["tasks"].items():
-    assert r["kahan"]["distance"]["values"] == [0.0, 0.0], task
+    assert r["kahan"]["distance"]["values"] == [0.0], task
     assert r["nearest"]["distance"]["mean"] > 0, task
   assert "digits-mlp" in (report.RESULTS / "quality_quick.md").read_text()

@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-import sys
 
-_EXAMPLE = (pathlib.Path(__file__).resolve().parents[1] / "examples" /
-            "finetune_diffusion.py")
-
-
-def _load_example():
-  """Imports the example by path (examples/ is not a package)."""
-  name = "finetune_diffusion_example"
-  if name in sys.modules:
-    return sys.modules[name]
-  spec = importlib.util.spec_from_file_location(name, _EXAMPLE)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module  # dataclasses look the module up while building
-  spec.loader.exec_module(module)
-  return module
+from benchmarks import example as example_module
 
 
 def test_finetune_diffusion_smoke(tmp_path):
-  example = _load_example()
+  example = example_module.load()
   argv = ["--pretrain-steps", "30", "--steps", "20", "--width", "8",
           "--batch-size", "16", "--eval-every", "10", "--num-samples", "4",
           "--sample-steps", "4", "--out", str(tmp_path), "--no-progress",
