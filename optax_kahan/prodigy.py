@@ -106,20 +106,6 @@ def _slice(x: jax.Array, slice_p: int) -> jax.Array:
   return jnp.reshape(x, (-1,))[::slice_p]
 
 
-def _keep_sharding(new: jax.Array, old: jax.Array) -> jax.Array:
-  """``new`` resharded to ``old``'s sharding under Explicit mesh axes.
-
-  The state keeps the layout it was initialized with (a preconditioner may
-  create a moment replicated that its update computes sharded), so the step's
-  types are stable and ``jnp.where`` gets matching shardings.
-  """
-  sharding = jax.typeof(old).sharding
-  if (not sharding.mesh.explicit_axes
-      or jax.typeof(new).sharding.spec == sharding.spec):
-    return new
-  return jax.sharding.reshard(new, sharding.spec)
-
-
 def _scalar_dtype(params: Any) -> jnp.dtype:
   dtypes = [jnp.result_type(p) for p in jax.tree.leaves(params)]
   return jnp.result_type(jnp.float32, *dtypes)
@@ -265,9 +251,8 @@ def scale_by_prodigy(
         d=d_new, d_prev=d, d_max=d_max,
         numerator=jnp.where(skip, state.numerator, numerator),
         s=s, params0=state.params0, preconditioner_state=pstate)
-    new_state = jax.tree.map(
-        lambda new, old: jnp.where(frozen, old, _keep_sharding(new, old)),
-        new_state, state)
+    new_state = jax.tree.map(lambda new, old: jnp.where(frozen, old, new),
+                             new_state, state)
     new_state = new_state._replace(count=optax.safe_increment(state.count))
     return new_updates, new_state
 
