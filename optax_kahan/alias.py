@@ -19,9 +19,9 @@ from typing import Optional
 import optax
 
 from optax_kahan.factored_second_moment import scale_by_factored_second_moment
-from optax_kahan.prodigy import check_positive
 from optax_kahan.prodigy import scale_by_prodigy
 from optax_kahan.second_moment import check_beta
+from optax_kahan.second_moment import check_positive
 from optax_kahan.second_moment import scale_by_second_moment
 from optax_kahan.stable_adamw import scale_by_stable_adamw
 
@@ -101,8 +101,6 @@ def prodigy(
   check_beta("b2", b2)
   check_positive("eps", eps)
   check_positive("eps2", eps2, allow_zero=True)
-  if not callable(learning_rate):
-    check_positive("learning_rate", learning_rate, allow_zero=True)
   if update_clip is not None:
     check_positive("update_clip", update_clip)
   if b3 is None:

@@ -344,9 +344,7 @@ def kahan(
                         state.residuals)
     x32 = _map(lambda path, p, lo: p if lo is None
                else bits.merge_float32(p, lo, rounding), params, lows)
-    g32 = jax.tree.map(lambda g: None if g is None else g.astype(
-        jnp.promote_types(g.dtype, jnp.float32)), updates,
-                       is_leaf=lambda x: x is None)
+    g32 = _upcast(updates)
     u, inner_state = inner.update(g32, state.inner_state, x32, **extra_args)
 
     def step_leaf(path, p, x, u, lo):
@@ -355,10 +353,7 @@ def kahan(
       if lo is None:
         return u, None
       hi, new_lo = bits.split_float32(x + u.astype(jnp.float32), rounding)
-      # (where: a weight that stays at +-Inf must not get Inf - Inf = NaN)
-      delta = jnp.where(hi == p, 0.0,
-                        hi.astype(jnp.float32) - p.astype(jnp.float32))
-      return delta, to_host(new_lo) if offload else new_lo
+      return landing_delta(p, hi), to_host(new_lo) if offload else new_lo
 
     deltas, residuals = _unzip(
         _map(step_leaf, params, x32, u, lows), params)
@@ -367,12 +362,24 @@ def kahan(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _upcast(params: Any) -> Any:
-  """bfloat16 leaves to float32 (exact); others unchanged."""
+def _upcast(tree: Any) -> Any:
+  """Float leaves to at least float32 (exact); float64 stays float64."""
   return jax.tree.map(
-      lambda p: p.astype(jnp.float32) if p is not None
-      and jnp.result_type(p) == jnp.bfloat16 else p,
-      params, is_leaf=lambda x: x is None)
+      lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
+      if x is not None and jnp.issubdtype(x.dtype, jnp.floating) else x,
+      tree, is_leaf=lambda x: x is None)
+
+
+def landing_delta(p: jax.Array, new: jax.Array) -> jax.Array:
+  """The float32 update that ``optax.apply_updates`` turns ``p`` into ``new``.
+
+  ``float32(new) - float32(p)``: the difference of two bf16 numbers, exact in
+  float32 unless their magnitudes differ by more than about ``2**15``; zero
+  where the weight does not move, so that a weight at +-Inf stays there
+  instead of becoming ``Inf - Inf = NaN``.
+  """
+  return jnp.where(new == p, 0.0,
+                   new.astype(jnp.float32) - p.astype(jnp.float32))
 
 
 def kahan_residuals(opt_state: optax.OptState) -> Residuals:

@@ -49,13 +49,14 @@ References:
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple, Optional, Union
 
 import chex
 import jax
 import jax.numpy as jnp
 import optax
+
+from optax_kahan.second_moment import check_positive
 
 
 class ScaleByProdigyState(NamedTuple):
@@ -109,15 +110,6 @@ def _slice(x: jax.Array, slice_p: int) -> jax.Array:
 def _scalar_dtype(params: Any) -> jnp.dtype:
   dtypes = [jnp.result_type(p) for p in jax.tree.leaves(params)]
   return jnp.result_type(jnp.float32, *dtypes)
-
-
-def check_positive(name: str, value: Any, allow_zero: bool = False) -> None:
-  """Raises ValueError naming ``name`` unless a Python number is > 0 (>= 0)."""
-  if not isinstance(value, (int, float)):
-    return
-  if value < 0 or (value == 0 and not allow_zero) or math.isnan(value):
-    bound = ">= 0" if allow_zero else "> 0"
-    raise ValueError(f"{name} must be {bound}, got {value}")
 
 
 def scale_by_prodigy(

@@ -30,6 +30,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional
 
 import chex
@@ -49,6 +50,15 @@ def check_beta(name: str, value: Any) -> None:
   """Raises ValueError unless a Python-number beta lies in [0, 1)."""
   if isinstance(value, (int, float)) and not 0.0 <= value < 1.0:
     raise ValueError(f"{name} must be in [0, 1), got {value}")
+
+
+def check_positive(name: str, value: Any, allow_zero: bool = False) -> None:
+  """Raises ValueError naming ``name`` unless a Python number is > 0 (>= 0)."""
+  if not isinstance(value, (int, float)):
+    return
+  if value < 0 or (value == 0 and not allow_zero) or math.isnan(value):
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ValueError(f"{name} must be {bound}, got {value}")
 
 
 def rescale_moment(moment: jax.Array, decay: chex.Numeric, scale: chex.Numeric,

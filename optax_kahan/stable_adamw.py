@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan.prodigy import check_positive
+from optax_kahan.second_moment import check_positive
 from optax_kahan.second_moment import ScaleBySecondMomentState
 from optax_kahan.second_moment import scale_by_second_moment
 

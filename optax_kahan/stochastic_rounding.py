@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_kahan.kahan import _map, _upcast, needs_residual
+from optax_kahan.kahan import _map, _upcast, landing_delta, needs_residual
 
 
 def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
@@ -135,7 +135,7 @@ def stochastic_rounding(
       if not needs_residual(p, path):
         return u
       hi = stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), k)
-      return hi.astype(jnp.float32) - p.astype(jnp.float32)
+      return landing_delta(p, hi)
 
     deltas = _map(step_leaf, params, u, keys)
     count = optax.safe_increment(state.count)
