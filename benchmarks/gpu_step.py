@@ -9,6 +9,8 @@ params and state donated, on the UNet of ``examples/finetune_diffusion.py``
 * ``bf16 adamw``: bf16 params, ``optax.adamw`` (bf16 state), plain apply;
 * ``kahan(adamw)``: bf16 params, float32 state, residuals in ``pinned_host``;
 * ``kahan(prodigy_factored)``: the low-memory configuration;
+* each ``kahan`` one again run leaf by leaf (``optax_kahan.leafwise``), whose
+  scratch should be bounded by one leaf: compare the peaks;
 * ``float32 master adamw``: classic mixed precision.
 
 Per configuration: the median step time (interleaved, in one process) as a
@@ -43,14 +45,16 @@ from benchmarks import example
 from benchmarks import report
 
 ROOT = pathlib.Path(__file__).parent.parent
-CONFIGS = ("bf16 adamw", "kahan(adamw)", "kahan(prodigy_factored)",
+CONFIGS = ("bf16 adamw", "kahan(adamw)", "kahan(leafwise(adamw))",
+           "kahan(prodigy_factored)", "kahan(prodigy_factored(leafwise))",
            "float32 master adamw")
 
 
 def make_step(name: str, width: int, batch: int):
   """Returns (jitted step, carry, batch, number of params)."""
   ex = example.load()
-  graphdef, params32 = ex.build_model(width, seed=0)
+  graphdef, _ = ex.model_def(width)
+  params32 = ex.init_params(width, 0)
   n = ex.count_params(params32)
   key = jax.random.key(0)
   x0 = jax.random.uniform(key, (batch, 8, 8, 1), minval=-1, maxval=1)
@@ -76,7 +80,10 @@ def make_step(name: str, width: int, batch: int):
 
   tx = {"bf16 adamw": optax.adamw(1e-5),
         "kahan(adamw)": ok.kahan(optax.adamw(1e-5)),
-        "kahan(prodigy_factored)": ok.kahan(ok.prodigy_factored())}[name]
+        "kahan(leafwise(adamw))": ok.kahan(ok.leafwise(optax.adamw(1e-5))),
+        "kahan(prodigy_factored)": ok.kahan(ok.prodigy_factored()),
+        "kahan(prodigy_factored(leafwise))": ok.kahan(
+            ok.prodigy_factored(leafwise=True))}[name]
   params = ex.to_bf16(params32)
 
   @functools.partial(jax.jit, donate_argnums=(0,))

@@ -1,21 +1,26 @@
 """Scratch memory of the optimizer step: compiled temporary bytes per parameter.
 
-    python -m benchmarks.step_memory [--quick]
+    python -m benchmarks.step_memory [--quick] [--reps 7]
 
 The step is ``tx.update`` + ``optax.apply_updates`` on bf16 params, jitted with
 params and state donated, compiled for shapes only (``ShapeDtypeStruct``:
 nothing is allocated). Reported: ``compiled.memory_analysis()
-.temp_size_in_bytes`` per parameter, for
+.temp_size_in_bytes`` per parameter, for each optimizer as it is (default) and
+run one leaf at a time (``optax_kahan.leafwise``: ``leafwise(tx)``, or the
+named optimizers' ``leafwise=True``), on
 
-* 64 leaves of 1M elements (``--quick``: 8 leaves of 64K), and
+* 64 leaves of 1M elements (``--quick``: 8 leaves of 64K, and nothing else),
 * FLUX.1-dev at full width (hidden 3072) with 2 double-stream and 2
-  single-stream blocks (1.03B params, 112 leaves; ``--quick``: a small one),
+  single-stream blocks (1.03B params, 112 leaves),
   because compiling all 57 blocks takes long on a small machine and the figure
   per parameter does not depend on the number of blocks.
 
 The bound to compare with is ``16 B x largest leaf + 1 MiB``, also per
-parameter. A figure that does not fall with more leaves grows with the model:
-XLA keeps every leaf's temporaries alive at once.
+parameter; a figure that does not fall with more leaves grows with the model.
+The same run also compiles the leafwise steps for half the leaves (32 x 1M) to
+show that their scratch does not depend on the leaf count, and times each
+default/leafwise pair side by side (interleaved, median of ``--reps``) on the
+speed benchmark's 50M-parameter FLUX-shaped model.
 
 Writes ``benchmarks/results/step_memory{,_quick}.{md,json}``.
 """
@@ -25,25 +30,46 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import statistics
+import time
+from typing import Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import optax_kahan as ok
 from benchmarks import model_shapes
 from benchmarks import report
+from benchmarks import speed
 
-CONFIGS = {
-    "optax.adamw": lambda: optax.adamw(1e-4),
-    "optax.adafactor": lambda: optax.adafactor(1e-4),
-    "optax.contrib.prodigy": optax.contrib.prodigy,
-    "kahan(optax.adamw)": lambda: ok.kahan(optax.adamw(1e-4)),
-    "prodigy": ok.prodigy,
-    "kahan(prodigy)": lambda: ok.kahan(ok.prodigy()),
-    "prodigy_factored": ok.prodigy_factored,
-    "kahan(prodigy_factored)": lambda: ok.kahan(ok.prodigy_factored()),
-    "stable_adamw": lambda: ok.stable_adamw(1e-4),
-    "kahan(stable_adamw)": lambda: ok.kahan(ok.stable_adamw(1e-4)),
+Make = Callable[[], optax.GradientTransformation]
+
+# name: (default, leafwise or None where the optimizer couples all leaves)
+CONFIGS: dict[str, tuple[Make, Optional[Make]]] = {
+    "optax.adamw": (lambda: optax.adamw(1e-4),
+                    lambda: ok.leafwise(optax.adamw(1e-4))),
+    "optax.adafactor": (lambda: optax.adafactor(1e-4),
+                        lambda: ok.leafwise(optax.adafactor(1e-4))),
+    "optax.contrib.prodigy": (optax.contrib.prodigy, None),
+    "kahan(optax.adamw)": (lambda: ok.kahan(optax.adamw(1e-4)),
+                           lambda: ok.kahan(ok.leafwise(optax.adamw(1e-4)))),
+    "kahan(optax.adafactor)": (
+        lambda: ok.kahan(optax.adafactor(1e-4)),
+        lambda: ok.kahan(ok.leafwise(optax.adafactor(1e-4)))),
+    "prodigy": (ok.prodigy, lambda: ok.prodigy(leafwise=True)),
+    "kahan(prodigy)": (lambda: ok.kahan(ok.prodigy()),
+                       lambda: ok.kahan(ok.prodigy(leafwise=True))),
+    "prodigy_factored": (ok.prodigy_factored,
+                         lambda: ok.prodigy_factored(leafwise=True)),
+    "kahan(prodigy_factored)": (
+        lambda: ok.kahan(ok.prodigy_factored()),
+        lambda: ok.kahan(ok.prodigy_factored(leafwise=True))),
+    "stable_adamw": (lambda: ok.stable_adamw(1e-4),
+                     lambda: ok.stable_adamw(1e-4, leafwise=True)),
+    "kahan(stable_adamw)": (
+        lambda: ok.kahan(ok.stable_adamw(1e-4)),
+        lambda: ok.kahan(ok.stable_adamw(1e-4, leafwise=True))),
 }
 
 
@@ -61,46 +87,110 @@ def temp_bytes(make, shapes: model_shapes.Shapes) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-def run(models: dict[str, model_shapes.Shapes]) -> dict:
-  out = {}
+def bound(shapes: model_shapes.Shapes) -> float:
+  """The goal in bytes: 16 B x the largest leaf's elements + 1 MiB."""
+  return 16 * max(math.prod(s) for s in shapes.values()) + 2**20
+
+
+def time_ratios(shapes: model_shapes.Shapes, reps: int) -> dict[str, float]:
+  """Median step time of leafwise / default, each pair interleaved."""
+  steps, carries, grads = {}, {}, {}
+  for name, (default, leafwise) in CONFIGS.items():
+    if leafwise is None:
+      continue
+    for mode, make in (("default", default), ("leafwise", leafwise)):
+      cfg = speed.Config(name, make, jnp.bfloat16, False, 0.0)
+      key = (name, mode)
+      steps[key], carries[key], grads[key] = speed.make_step(cfg, shapes)
+      carries[key] = jax.block_until_ready(
+          steps[key](carries[key], grads[key]))  # compile, warm
+  times = {key: [] for key in steps}
+  for _ in range(reps):
+    for key in steps:
+      t0 = time.perf_counter()
+      carries[key] = jax.block_until_ready(steps[key](carries[key],
+                                                      grads[key]))
+      times[key].append(time.perf_counter() - t0)
+  return {name: statistics.median(times[(name, "leafwise")])
+                / statistics.median(times[(name, "default")])
+          for name, _ in steps}
+
+
+def run(models: dict[str, model_shapes.Shapes],
+        timing_shapes: model_shapes.Shapes, reps: int) -> dict:
+  out = {"models": {}}
   for model, shapes in models.items():
     n = model_shapes.num_params(shapes)
-    largest = max(math.prod(s) for s in shapes.values())
-    rows = {name: temp_bytes(make, shapes) / n for name, make in CONFIGS.items()}
-    out[model] = {"params": n, "leaves": len(shapes),
-                  "bound_B_per_param": (16 * largest + 2**20) / n,
-                  "temp_B_per_param": rows}
+    rows = {}
+    for name, (default, leafwise) in CONFIGS.items():
+      rows[name] = {
+          "default": temp_bytes(default, shapes) / n,
+          "leafwise": None if leafwise is None
+                      else temp_bytes(leafwise, shapes) / n}
+    out["models"][model] = {"params": n, "leaves": len(shapes),
+                            "bound_B_per_param": bound(shapes) / n,
+                            "temp_B_per_param": rows}
+  # Independence of the leaf count: the first model with half its leaves.
+  model, shapes = next(iter(models.items()))
+  half = dict(list(shapes.items())[:len(shapes) // 2])
+  out["leaf_count_check"] = {
+      "model": model, "leaves": [len(shapes), len(half)],
+      "leafwise_temp_bytes": {
+          name: [temp_bytes(leafwise, shapes), temp_bytes(leafwise, half)]
+          for name, (_, leafwise) in CONFIGS.items() if leafwise is not None}}
+  out["timing_params"] = model_shapes.num_params(timing_shapes)
+  out["reps"] = reps
+  out["time_ratio_leafwise_over_default"] = time_ratios(timing_shapes, reps)
   return out
 
 
 def to_markdown(results: dict) -> str:
-  models = list(results)
+  models = results["models"]
   lines = ["| step (bf16 params) | " + " | ".join(
-      f"{m} ({r['params'] / 1e6:.0f}M, {r['leaves']} leaves)"
-      for m, r in results.items()) + " |", "|---|" + "---|" * len(models)]
+      f"{m} ({r['params'] / 1e6:.0f}M, {r['leaves']} leaves): default | "
+      "leafwise" for m, r in models.items()) + " | leafwise step time / "
+      "default |", "|---|" + "---|---|" * len(models) + "---|"]
+  ratios = results["time_ratio_leafwise_over_default"]
   for name in CONFIGS:
-    lines.append(f"| {name} | " + " | ".join(
-        f"{results[m]['temp_B_per_param'][name]:.2f}" for m in models) + " |")
+    cells = []
+    for m in models:
+      row = models[m]["temp_B_per_param"][name]
+      cells.append(f"{row['default']:.2f}")
+      cells.append("n/a (couples leaves)" if row["leafwise"] is None
+                   else f"{row['leafwise']:.3f}")
+    ratio = f"{ratios[name]:.2f}" if name in ratios else ""
+    lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio} |")
   lines.append("| goal: 16 B x largest leaf + 1 MiB | " + " | ".join(
-      f"{results[m]['bound_B_per_param']:.2f}" for m in models) + " |")
+      f" | {models[m]['bound_B_per_param']:.3f}" for m in models) + " | |")
+  check = results["leaf_count_check"]
+  extra = check["leaves"][0] - check["leaves"][1]
+  per_leaf = max((a - b) / extra
+                 for a, b in check["leafwise_temp_bytes"].values())
+  worst = max(max(v) for v in check["leafwise_temp_bytes"].values())
+  lines += ["", f"Leafwise scratch of {check['model']} against its first "
+            f"{check['leaves'][1]} leaves: at most {per_leaf:.0f} bytes more "
+            f"per extra leaf (its scalars), largest {worst / 2**20:.2f} MiB. "
+            f"Step times on {results['timing_params'] / 1e6:.0f}M parameters, "
+            f"median of {results['reps']} interleaved repetitions."]
   return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--reps", type=int, default=None)
   args = parser.parse_args(argv)
   if args.quick:
-    models = {
-        "8 x 64K": {f"w{i}": (256, 256) for i in range(8)},
-        "tiny FLUX": model_shapes.flux_dev_shapes(
-            hidden=64, double_blocks=1, single_blocks=1, head_dim=16)}
+    models = {"8 x 64K": {f"w{i}": (256, 256) for i in range(8)}}
+    timing = models["8 x 64K"]
   else:
     models = {
         "64 x 1M": {f"w{i}": (1024, 1024) for i in range(64)},
         "FLUX.1-dev, 2+2 blocks": model_shapes.flux_dev_shapes(
             double_blocks=2, single_blocks=2)}
-  results = run(models)
+    timing = model_shapes.flux_dev_shapes(hidden=768, double_blocks=1,
+                                          single_blocks=2, head_dim=64)
+  results = run(models, timing, args.reps or (2 if args.quick else 7))
   report.save("step_memory", to_markdown(results), results, args.quick)
   return results
 

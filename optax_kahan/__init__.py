@@ -16,6 +16,11 @@ from optax_kahan.kahan import KahanState
 from optax_kahan.factored_second_moment import FactoredMoment
 from optax_kahan.factored_second_moment import scale_by_factored_second_moment
 from optax_kahan.factored_second_moment import ScaleByFactoredSecondMomentState
+from optax_kahan.leafwise import for_each_leaf
+from optax_kahan.leafwise import leafwise
+from optax_kahan.leafwise import LeafwisePlan
+from optax_kahan.leafwise import LeafwiseState
+from optax_kahan.leafwise import LeafwiseTransformation
 from optax_kahan.prodigy import prodigy_d
 from optax_kahan.prodigy import scale_by_prodigy
 from optax_kahan.prodigy import ScaleByProdigyState
@@ -33,11 +38,15 @@ __version__ = "0.1.0"
 __all__ = (
     "FactoredMoment",
     "KahanState",
+    "LeafwisePlan",
+    "LeafwiseState",
+    "LeafwiseTransformation",
     "ScaleByFactoredSecondMomentState",
     "ScaleByProdigyState",
     "ScaleBySecondMomentState",
     "ScaleByStableAdamWState",
     "StochasticRoundingState",
+    "for_each_leaf",
     "kahan",
     "kahan_apply_updates",
     "kahan_from_float32",
@@ -45,6 +54,7 @@ __all__ = (
     "kahan_replace_residuals",
     "kahan_residuals",
     "kahan_to_float32",
+    "leafwise",
     "merge_float32",
     "prodigy",
     "prodigy_d",

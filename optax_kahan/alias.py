@@ -18,6 +18,7 @@ from typing import Optional
 
 import optax
 
+from optax_kahan import leafwise as leafwise_lib
 from optax_kahan.factored_second_moment import scale_by_factored_second_moment
 from optax_kahan.prodigy import scale_by_prodigy
 from optax_kahan.second_moment import check_beta
@@ -43,6 +44,7 @@ def prodigy(
     factored: bool = False,
     update_clip: Optional[float] = None,
     eps2: float = 1e-30,
+    leafwise: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Prodigy, the learning-rate-free Adam, as in prodigyopt 1.1.2, plus low-memory options.
 
@@ -77,9 +79,13 @@ def prodigy(
     update_clip: clip each leaf's preconditioned update to this RMS
       (``optax.clip_by_block_rms``), or None.
     eps2: added to ``g^2`` in the factored moment.
+    leafwise: run the step one leaf at a time (``optax_kahan.leafwise``), so
+      its scratch memory is bounded by the largest leaf instead of growing
+      with the model; same results bit for bit, state laid out per leaf.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``.
+    An ``optax.GradientTransformationExtraArgs`` (a
+    ``LeafwiseTransformation`` with ``leafwise=True``).
 
   Raises:
     ValueError: for d0 <= 0, learning_rate < 0, betas outside [0, 1),
@@ -103,6 +109,11 @@ def prodigy(
   check_positive("eps2", eps2, allow_zero=True)
   if update_clip is not None:
     check_positive("update_clip", update_clip)
+  if leafwise and not decouple:
+    raise ValueError(
+        "prodigy(leafwise=True) needs decouple=True: the coupled (L2) weight "
+        "decay is an optax.add_decayed_weights chained before the estimator, "
+        "which would run on the whole tree")
   if b3 is None:
     b3 = b2**0.5
   if factored:
@@ -112,6 +123,8 @@ def prodigy(
   if update_clip is not None:
     preconditioner = optax.chain(preconditioner,
                                  optax.clip_by_block_rms(update_clip))
+  if leafwise:
+    preconditioner = leafwise_lib.leafwise(preconditioner)
   estimator = scale_by_prodigy(
       preconditioner,
       learning_rate=learning_rate,
@@ -144,6 +157,7 @@ def prodigy_factored(
     slice_p: int = 11,
     update_clip: Optional[float] = 1.0,
     eps2: float = 1e-30,
+    leafwise: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Prodigy at about 0.36 B/param of state: b1 = 0, factored v, slice_p = 11, clip 1.
 
@@ -165,7 +179,7 @@ def prodigy_factored(
       use_bias_correction=use_bias_correction,
       safeguard_warmup=safeguard_warmup, d0=d0, d_coef=d_coef,
       growth_rate=growth_rate, slice_p=slice_p, factored=True,
-      update_clip=update_clip, eps2=eps2)
+      update_clip=update_clip, eps2=eps2, leafwise=leafwise)
 
 
 def stable_adamw(
@@ -174,6 +188,7 @@ def stable_adamw(
     b2: float = 0.99,
     eps: float = 1e-6,
     weight_decay: float = 1e-2,
+    leafwise: bool = False,
 ) -> optax.GradientTransformation:
   """StableAdamW: AdamW whose per-leaf step shrinks by ``1/max(1, RMS(g/sqrt(v)))``.
 
@@ -190,9 +205,12 @@ def stable_adamw(
     b2: second-moment decay.
     eps: added to ``sqrt(v^)``.
     weight_decay: decoupled weight decay, clipped with the step.
+    leafwise: run the step one leaf at a time (``optax_kahan.leafwise``):
+      scratch bounded by the largest leaf, same results bit for bit.
 
   Returns:
-    An ``optax.GradientTransformation``.
+    An ``optax.GradientTransformation`` (a ``LeafwiseTransformation`` with
+    ``leafwise=True``).
 
   Example:
     >>> tx = kahan(stable_adamw(1e-4))
@@ -203,6 +221,7 @@ def stable_adamw(
   """
   check_beta("b1", b1)
   check_beta("b2", b2)
-  return optax.chain(
+  tx = optax.chain(
       scale_by_stable_adamw(b1, b2, eps, weight_decay),
       optax.scale_by_learning_rate(learning_rate))
+  return leafwise_lib.leafwise(tx) if leafwise else tx

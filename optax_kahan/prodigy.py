@@ -56,6 +56,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_kahan.leafwise import for_each_leaf
+from optax_kahan.leafwise import LeafwisePlan
+from optax_kahan.leafwise import LeafwiseTransformation
 from optax_kahan.second_moment import check_positive
 
 
@@ -136,7 +139,10 @@ def scale_by_prodigy(
     preconditioner: e.g. ``scale_by_second_moment(b1, b2, eps)``,
       ``scale_by_factored_second_moment(...)``, optionally chained with
       ``optax.clip_by_block_rms``. Its ``update`` gets the extra args
-      ``d_ratio`` and ``d_growth``.
+      ``d_ratio`` and ``d_growth``. Wrapped in ``leafwise(...)``, the whole
+      estimator runs leaf by leaf (a ``LeafwiseTransformation``): the sums
+      over leaves in a first pass, the moments and the step in a second, each
+      leaf in its own island; the results are the same bit for bit.
     learning_rate: multiplier of ``d`` (1.0 in Prodigy), float or schedule.
     b3: decay of ``r`` and ``s`` (``sqrt(b2)`` in prodigyopt).
     weight_decay: decoupled weight decay ``lambda``.
@@ -149,8 +155,9 @@ def scale_by_prodigy(
       or None.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``; extra args are passed on to
-    the preconditioner.
+    An ``optax.GradientTransformationExtraArgs`` (a ``LeafwiseTransformation``
+    when the preconditioner is one); extra args are passed on to the
+    preconditioner.
 
   Example:
     >>> tx = scale_by_prodigy(scale_by_second_moment(0.9, 0.999, 1e-8))
@@ -186,10 +193,17 @@ def scale_by_prodigy(
             lambda p: jnp.array(_slice(p, slice_p), copy=True), params),
         preconditioner_state=preconditioner.init(params))
 
-  def update_fn(updates, state, params=None, **extra_args):
-    if params is None:
-      raise ValueError("scale_by_prodigy needs params: "
-                       "tx.update(grads, state, params)")
+  leafwise = isinstance(preconditioner, LeafwiseTransformation)
+
+  def first_pass(grads, state, xs, decode):
+    """Everything that sums over all leaves: d, r, s and the step's scalars.
+
+    ``grads`` and ``xs`` are lists in leaf order; ``decode(g, x)`` turns one
+    leaf's entries into the float values (identity, or ``kahan``'s merge).
+    Leaf by leaf (in ``lax.cond`` islands when the preconditioner is
+    leafwise) it computes ``<g_S, x0_S - x_S>``, the new ``s`` and
+    ``sum |s|``; the rest is scalar.
+    """
     dtype = state.d.dtype
     k = state.k
     lr = (learning_rate(state.count) if callable(learning_rate)
@@ -206,17 +220,22 @@ def scale_by_prodigy(
     s_weight = (d / d0) * d if safeguard_warmup else weight
     b3_ = jnp.asarray(b3, dtype)
 
-    g_s = jax.tree.map(lambda g: _slice(g, slice_p).astype(dtype), updates)
-    x_s = jax.tree.map(lambda x: _slice(x, slice_p).astype(dtype), params)
-    p0 = jax.tree.map(lambda x: x.astype(dtype), state.params0)
-    dots = jax.tree.map(lambda g, x0, x: jnp.vdot(g, x0 - x), g_s, p0, x_s)
-    numerator = b3_ * state.numerator + weight * sum(jax.tree.leaves(dots),
-                                                     jnp.zeros([], dtype))
-    s = jax.tree.map(
-        lambda s, g: (b3_ * s.astype(dtype) + s_weight * g).astype(s.dtype),
-        state.s, g_s)
-    denom = sum((jnp.sum(jnp.abs(x.astype(dtype))) for x in jax.tree.leaves(s)),
-                jnp.zeros([], dtype))
+    def leaf_stats(g, x, x0, s):
+      g, x = decode(g, x)
+      g_s = _slice(g, slice_p).astype(dtype)
+      x_s = _slice(x, slice_p).astype(dtype)
+      dot = jnp.sum(g_s * (x0.astype(dtype) - x_s))
+      s = (b3_ * s.astype(dtype) + s_weight * g_s).astype(s.dtype)
+      return dot, s, jnp.sum(jnp.abs(s.astype(dtype)))
+
+    rows = (grads, xs, jax.tree.leaves(state.params0), jax.tree.leaves(state.s))
+    stats = (for_each_leaf(leaf_stats, *rows) if leafwise
+             else [leaf_stats(*row) for row in zip(*rows)])
+    zero = jnp.zeros([], dtype)
+    numerator = b3_ * state.numerator + weight * sum((t[0] for t in stats),
+                                                     zero)
+    s = jax.tree.unflatten(jax.tree.structure(state.s), [t[1] for t in stats])
+    denom = sum((t[2] for t in stats), zero)
 
     skip = denom == 0
     d_hat = d_coef * numerator / jnp.where(skip, 1, denom)
@@ -225,29 +244,55 @@ def scale_by_prodigy(
     d_new = jnp.minimum(d_max, d_new * growth_rate)
     d_new = jnp.where(skip, d, d_new)
     d_max = jnp.where(skip, state.d_max, d_max)
-
-    direction, pstate = preconditioner.update(
-        updates, state.preconditioner_state, params,
-        d_ratio=state.d_prev / d, d_growth=d_new / d, **extra_args)
-
     frozen = lr == 0  # prodigyopt skips the whole step, moments included.
 
     def step(u, x):
       step = -dlr * (u.astype(dtype) + weight_decay * x.astype(dtype))
       return jnp.where(skip | frozen, 0, step).astype(u.dtype)
 
-    new_updates = jax.tree.map(step, direction, params)
-    new_state = ScaleByProdigyState(
-        count=state.count,
-        k=jnp.where(skip, k, optax.safe_increment(k)),
-        d=d_new, d_prev=d, d_max=d_max,
-        numerator=jnp.where(skip, state.numerator, numerator),
-        s=s, params0=state.params0, preconditioner_state=pstate)
-    new_state = jax.tree.map(lambda new, old: jnp.where(frozen, old, new),
-                             new_state, state)
-    new_state = new_state._replace(count=optax.safe_increment(state.count))
-    return new_updates, new_state
+    def finish(pstate):
+      new_state = ScaleByProdigyState(
+          count=state.count,
+          k=jnp.where(skip, k, optax.safe_increment(k)),
+          d=d_new, d_prev=d, d_max=d_max,
+          numerator=jnp.where(skip, state.numerator, numerator),
+          s=s, params0=state.params0, preconditioner_state=pstate)
+      new_state = jax.tree.map(lambda new, old: jnp.where(frozen, old, new),
+                               new_state, state)
+      return new_state._replace(count=optax.safe_increment(state.count))
 
+    scales = {"d_ratio": state.d_prev / d, "d_growth": d_new / d}
+    return scales, step, finish
+
+  def check_params(params):
+    if params is None:
+      raise ValueError("scale_by_prodigy needs params: "
+                       "tx.update(grads, state, params)")
+
+  def update_fn(updates, state, params=None, **extra_args):
+    check_params(params)
+    grads, treedef = jax.tree.flatten(updates)
+    scales, step, finish = first_pass(
+        grads, state, treedef.flatten_up_to(params), lambda g, x: (g, x))
+    direction, pstate = preconditioner.update(
+        updates, state.preconditioner_state, params, **scales, **extra_args)
+    return jax.tree.map(step, direction, params), finish(pstate)
+
+  def prepare_fn(grads, state, xs, decode, **extra_args):
+    check_params(xs)
+    scales, step, finish = first_pass(grads, state, xs, decode)
+    plan = preconditioner.prepare(grads, state.preconditioner_state, xs,
+                                  decode, **scales, **extra_args)
+
+    def leaf_update(g, s, x):
+      u, s = plan.leaf_update(g, s, x)
+      return step(u, x), s
+
+    return LeafwisePlan(leaf_update, plan.leaf_states,
+                        lambda states: finish(plan.finish(states)))
+
+  if leafwise:
+    return LeafwiseTransformation(init_fn, prepare_fn)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

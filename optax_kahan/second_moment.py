@@ -141,15 +141,19 @@ def scale_by_second_moment(
     nu = jax.tree.map(lambda v, g: rescale_moment(v, b2, d_ratio**2, g * g),
                       state.nu, g32)
     mu, num = first_moment(state.mu, g32, b1, d_ratio, d_growth)
-    c1, c2 = 1.0, 1.0
+    # Reciprocals of Adam's 1 - b^t, multiplied in: XLA rewrites a division by
+    # a broadcast scalar into this form only where the scalar has one user
+    # (a single leaf), so writing it out keeps whole-tree and leafwise runs
+    # bit-identical.
+    r1, r2 = 1.0, 1.0
     if bias_correction:
       t = count.astype(jnp.float32)
-      c1 = 1 - jnp.asarray(b1, jnp.float32)**t if use_mu else 1.0
-      c2 = 1 - jnp.asarray(b2, jnp.float32)**t
+      r1 = 1 / (1 - jnp.asarray(b1, jnp.float32)**t) if use_mu else 1.0
+      r2 = 1 / (1 - jnp.asarray(b2, jnp.float32)**t)
 
     def precondition(g, m, v):
-      m = m.astype(jnp.float32) / c1
-      v = v.astype(jnp.float32) / c2
+      m = m.astype(jnp.float32) * r1
+      v = v.astype(jnp.float32) * r2
       return (m / (jnp.sqrt(v) + d_growth * eps)).astype(g.dtype)
 
     out = jax.tree.map(precondition, updates, num, nu)

@@ -77,14 +77,16 @@ def scale_by_stable_adamw(
     if params is None:
       raise ValueError("scale_by_stable_adamw needs params (weight decay)")
     direction, moments = adam.update(updates, state.moments, params)
-    c2 = 1 - jnp.asarray(b2, jnp.float32)**moments.count.astype(jnp.float32)
+    # A reciprocal multiplied in, as in scale_by_second_moment.
+    r2 = 1 / (1 - jnp.asarray(b2, jnp.float32)**moments.count.astype(
+        jnp.float32))
 
     def clip(g, u, v, x):
-      v_hat = v.astype(jnp.float32) / c2
+      v_hat = v.astype(jnp.float32) * r2
       g32 = g.astype(jnp.float32)
       rms = jnp.sqrt(jnp.mean(g32 * g32 / jnp.maximum(v_hat, eps * eps)))
       step = u.astype(jnp.float32) + weight_decay * x.astype(jnp.float32)
-      return (step / jnp.maximum(1.0, rms)).astype(u.dtype)
+      return (step * (1 / jnp.maximum(1.0, rms))).astype(u.dtype)
 
     out = jax.tree.map(clip, updates, direction, moments.nu, params)
     return out, ScaleByStableAdamWState(moments)

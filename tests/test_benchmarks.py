@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import memory, quality, report, speed
+from benchmarks import gpu_step, memory, quality, report, speed, step_memory
 
 
 def test_memory_quick_has_every_row():
@@ -41,3 +41,24 @@ def test_quality_quick_has_every_task_and_kahan_is_exact():
     assert r["kahan"]["distance"]["values"] == [0.0], task
     assert r["nearest"]["distance"]["mean"] > 0, task
   assert "digits-mlp" in (report.RESULTS / "quality_quick.md").read_text()
+
+
+def test_step_memory_quick_bounds_every_leafwise_step():
+  results = step_memory.main(["--quick"])
+  (model, r), = results["models"].items()
+  assert set(r["temp_B_per_param"]) == set(step_memory.CONFIGS)
+  for name, row in r["temp_B_per_param"].items():
+    if row["leafwise"] is not None:
+      assert row["leafwise"] <= r["bound_B_per_param"], name
+      assert results["time_ratio_leafwise_over_default"][name] > 0
+  assert r["temp_B_per_param"]["kahan(optax.adamw)"]["default"] > 4
+  assert "leafwise step time" in (
+      report.RESULTS / "step_memory_quick.md").read_text()
+
+
+def test_gpu_step_quick_runs_every_configuration_on_cpu():
+  results = gpu_step.main(["--quick", "--reps", "1"])
+  assert set(results["rows"]) == set(gpu_step.CONFIGS)
+  for name, row in results["rows"].items():
+    if name.startswith("kahan"):
+      assert row["residual_memory_kinds"] == ["pinned_host"], name

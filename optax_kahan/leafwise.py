@@ -1,0 +1,220 @@
+"""Leaf-by-leaf execution: an optimizer step whose scratch memory is one leaf's.
+
+XLA compiles the optimizer step as one program and schedules it breadth-first:
+each stage runs for every leaf before the next stage starts, so every leaf's
+float32 temporaries (an update, a sum of moments, a copy of a weight that is
+overwritten in place) are alive at once. On bf16 params that is 6 to 10 bytes
+of scratch per parameter: 70 to 120 GB for a 12B model.
+
+``leafwise(tx)`` runs ``tx`` on one leaf at a time, as PyTorch's per-tensor
+loops do::
+
+    token = barrier(True)
+    for i in range(num_leaves):                  # jax.tree.leaves order
+      (u_i, s_i), token = cond(token, island_i, island_i, token)
+      # island_i returns barrier((tx.update(g_i, s_i, x_i), token))
+
+Each leaf's update runs in a ``lax.cond`` whose two branches are the same
+function, so the predicate cannot change the result: it is there to make
+leaf ``i + 1`` wait for leaf ``i``'s outputs (the token leaves each island
+through an optimization barrier with them, so XLA cannot fold it). A conditional's branch is
+scheduled as one unit with its own temporaries, so XLA frees one leaf's
+scratch before the next leaf starts, and it schedules the consumers outside
+(``optax.apply_updates``) right after the leaf they read.
+
+Two passes. A transformation that couples the leaves (Prodigy's d-estimate
+sums over all of them) is split into a first pass, which computes per-leaf
+statistics (dot products, norms: scalars) in islands of their own and combines
+them, and a per-leaf second pass that uses the combined scalars. That split is
+a ``LeafwisePlan``, returned by the ``prepare`` function of a
+``LeafwiseTransformation``. ``leafwise(tx)`` has an empty first pass;
+``scale_by_prodigy(leafwise(preconditioner))`` (``prodigy(leafwise=True)``)
+has a real one. ``kahan`` puts its merge of bf16 weight and residual inside
+both passes' islands, and splits each leaf's float32 sum right after its
+island, so that no float32 copy of a whole tree ever exists.
+
+Which transformations ``leafwise`` may wrap: elementwise ones (Adam, AdamW,
+Lion, SGD with momentum, ``scale_by_second_moment``) and per-leaf ones
+(Adafactor's factored moment, ``optax.clip_by_block_rms``, StableAdamW's
+clip). Not ``optax.clip_by_global_norm`` or Prodigy's estimator: each leaf
+would see only itself.
+
+Bit for bit: a leafwise step computes the same arithmetic as ``tx`` on the
+whole tree, and for this package's optimizers (plain and inside ``kahan``)
+the results are identical bit for bit (tested). Two XLA rewrites depend on
+what surrounds an expression, and this package's code is written so that
+neither applies: XLA turns a division by a broadcast scalar into a
+multiplication by its reciprocal only where the scalar has one user (one
+leaf), so ``optax.adamw``'s bias correction rounds differently in a
+one-leaf island than in a many-leaf program (up to an ulp in some elements:
+the leafwise step is then ``optax.adamw`` run on each leaf alone, bit for
+bit); and XLA's CPU backend may contract a multiply and an add into an FMA
+when the update is fused into ``optax.apply_updates``, which an island
+boundary prevents (inside ``kahan`` the sum is formed inside the island
+either way).
+
+Costs: the state holds ``tx``'s state once per leaf (a step count per leaf, a
+few bytes each), so it is laid out differently from ``tx``'s (checkpoints of
+the two do not mix); each leaf is a conditional, run in sequence (the step
+time is measured by ``benchmarks/step_memory.py``; on GPU a conditional reads
+its predicate back to the host once per leaf).
+
+References:
+  PyTorch optimizers' ``foreach=False`` loops, one tensor at a time.
+  XLA operation semantics, ``Conditional``: the branch computations are
+  separate computations, called as a unit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+LeafUpdate = Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+class LeafwiseState(NamedTuple):
+  """State of ``leafwise``: ``tx``'s state for each leaf, in leaf order."""
+  states: tuple[optax.OptState, ...]
+
+
+class LeafwisePlan(NamedTuple):
+  """The second pass of a step, prepared by the first.
+
+  Attributes:
+    leaf_update: ``(g_i, s_i, x_i) -> (u_i, new_s_i)`` for one leaf (``x_i``
+      may be None when the transformation needs no params).
+    leaf_states: the per-leaf states ``s_i``, in leaf order.
+    finish: new per-leaf states (a list, in leaf order) -> the new state.
+  """
+  leaf_update: LeafUpdate
+  leaf_states: list[Any]
+  finish: Callable[[list[Any]], optax.OptState]
+
+
+class LeafwiseTransformation(optax.GradientTransformationExtraArgs):
+  """A ``GradientTransformationExtraArgs`` that runs one leaf at a time.
+
+  Besides ``init`` and ``update`` it has the first pass::
+
+    prepare(grads, state, xs, decode, **extra_args) -> LeafwisePlan
+
+  with ``grads`` and ``xs`` (or None) lists of leaves in ``jax.tree.leaves``
+  order, and ``decode(g_i, x_i) -> (g, x)`` the function that turns one
+  leaf's entries into the values the math sees, applied inside the first
+  pass's own per-leaf islands. ``update`` is ``prepare`` (with ``decode`` the identity) followed
+  by ``for_each_leaf(plan.leaf_update, ...)``. ``kahan`` instead passes the
+  bf16 params with their residuals and a ``decode`` that merges them, and runs
+  ``plan.leaf_update`` inside its own islands, between its merge and its
+  split: no float32 copy of the whole tree is ever made.
+  """
+
+  prepare: Callable[..., LeafwisePlan]
+
+  def __new__(cls, init, prepare):
+    def update(updates, state, params=None, **extra_args):
+      grads, treedef = jax.tree.flatten(updates)
+      xs = None if params is None else treedef.flatten_up_to(params)
+      plan = prepare(grads, state, xs, _no_decode, **extra_args)
+      outs = for_each_leaf(plan.leaf_update, grads, plan.leaf_states,
+                           [None] * len(grads) if xs is None else xs)
+      return (jax.tree.unflatten(treedef, [u for u, _ in outs]),
+              plan.finish([s for _, s in outs]))
+
+    tx = super().__new__(cls, init, update)
+    tx.prepare = prepare
+    return tx
+
+
+def _no_decode(g: Any, x: Any) -> tuple[Any, Any]:
+  return g, x
+
+
+def for_each_leaf(fn: Callable[..., Any], *columns: list[Any]) -> list[Any]:
+  """``[fn(*row) for row in zip(*columns)]``, one ``lax.cond`` island per row.
+
+  The islands are chained by a boolean token: each branch returns the token
+  it got through ``lax.optimization_barrier`` together with its outputs, so
+  XLA can neither see that the token is always True nor read it before the
+  outputs exist, and row ``i + 1``'s island (whose predicate it is) runs after
+  row ``i``'s. Both branches are ``fn``, so the predicate's value does not
+  matter. The token is a replicated scalar: no collective under sharding.
+
+  Args:
+    fn: the per-leaf work; its arguments and outputs are pytrees of arrays
+      (``None`` allowed).
+    *columns: equal-length lists, one entry per leaf.
+
+  Returns:
+    The list of ``fn``'s outputs, in order.
+  """
+
+  def island(token, *row):
+    return jax.lax.optimization_barrier((fn(*row), token))
+
+  outs = []
+  token = jax.lax.optimization_barrier(jnp.array(True))
+  for row in zip(*columns):
+    out, token = jax.lax.cond(token, island, island, token, *row)
+    outs.append(out)
+  return outs
+
+
+def leafwise(tx: optax.GradientTransformation) -> LeafwiseTransformation:
+  """Runs ``tx`` on one leaf at a time, so its scratch is bounded by one leaf.
+
+  For every leaf ``i`` of the params (in ``jax.tree.leaves`` order)::
+
+    state_i      = tx.init(params_i)
+    u_i, state_i = tx.update(g_i, state_i, params_i, **extra_args)
+
+  each update in its own ``lax.cond`` island, ordered after the previous
+  leaf's (see the module docstring). With ``tx`` elementwise or per-leaf the
+  updates are those of ``tx`` on the whole tree (bit for bit, but for the XLA
+  rewrite the module docstring describes); extra args (``d_ratio``,
+  ``value``, ...) reach every leaf's update unchanged.
+
+  Chain inside, not outside: ``kahan`` runs its own per-leaf work in the
+  islands only when the ``LeafwiseTransformation`` is its direct inner
+  transformation, so write ``kahan(leafwise(optax.chain(a, b)))``; around
+  ``optax.chain(leafwise(a), b)`` it computes the same, without the bound.
+
+  Args:
+    tx: an elementwise or per-leaf transformation (Adam, Adafactor's factored
+      moment, block-RMS clipping, StableAdamW), not one that couples leaves
+      (global-norm clipping, Prodigy's estimator).
+
+  Returns:
+    A ``LeafwiseTransformation`` whose state is ``LeafwiseState``.
+
+  Example:
+    >>> tx = kahan(leafwise(optax.adamw(1e-4)))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+
+  References:
+    See the module docstring.
+  """
+  tx = optax.with_extra_args_support(tx)
+
+  def init_fn(params):
+    return LeafwiseState(tuple(tx.init(p) for p in jax.tree.leaves(params)))
+
+  def prepare_fn(grads, state, xs, decode, **extra_args):
+    del xs, decode  # no first pass
+    if len(grads) != len(state.states):
+      raise ValueError(
+          f"leafwise: the updates have {len(grads)} leaves but the state was "
+          f"initialised for {len(state.states)}")
+
+    def leaf_update(g, s, x):
+      return tx.update(g, s, x, **extra_args)
+
+    return LeafwisePlan(leaf_update, list(state.states),
+                        lambda states: LeafwiseState(tuple(states)))
+
+  return LeafwiseTransformation(init_fn, prepare_fn)
