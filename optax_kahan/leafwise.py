@@ -59,6 +59,9 @@ the two do not mix); each leaf is a conditional, run in sequence (the step
 time is measured by ``benchmarks/step_memory.py``; on GPU a conditional reads
 its predicate back to the host once per leaf).
 
+Layering: like ``bits``, this module depends on nothing else in the package;
+``kahan`` and ``scale_by_prodigy`` build on it.
+
 References:
   PyTorch optimizers' ``foreach=False`` loops, one tensor at a time.
   XLA operation semantics, ``Conditional``: the branch computations are
