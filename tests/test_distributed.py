@@ -41,12 +41,29 @@ emit(report)
 '''
 
 
-def test_two_processes_agree_with_one(tmp_path):
+def _two_processes(tmp_path):
   port = free_port()
   procs = [start(SCRIPT, tmp_path, pid, 2, port, devices=4) for pid in (0, 1)]
-  ref = start(SCRIPT, tmp_path, 0, 1, 0, devices=8)  # one process, 8 devices
-  reports = [finish(p, timeout=180) for p in procs]
-  ref = finish(ref, timeout=180)
+  try:
+    return [finish(p, timeout=120) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+
+
+def test_two_processes_agree_with_one(tmp_path):
+  """Once in some fifteen runs on a 2-core machine, the pair hung in gloo
+  (connected, then no progress) and was killed; it then gets one more try
+  on a fresh port. The reference runs after the pair, not beside it."""
+  try:
+    reports = _two_processes(tmp_path)
+  except AssertionError as e:
+    if "timed out" not in str(e):
+      raise
+    reports = _two_processes(tmp_path)
+  ref = finish(start(SCRIPT, tmp_path, 0, 1, 0, devices=8), timeout=180)
   assert ref["processes"] == 1 and ref["devices"] == 8
   for pid, r in enumerate(reports):
     assert (r["processes"], r["devices"], r["local"]) == (2, 8, 4)
