@@ -20,7 +20,8 @@ arguments of ``update`` (both 1 when the preconditioner is used on its own):
 
 With ``b1 = 0`` no first-moment buffer exists at all. On its own, with
 ``bias_correction=True``, this is ``optax.scale_by_adam`` (``eps`` outside the
-root).
+root; the bias correction multiplies by ``1 / (1 - b^t)``, so the last bit
+can differ from optax's division).
 
 References:
   Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.
