@@ -345,6 +345,18 @@ def kahan(
                              residuals)
     return KahanState(residuals, inner.init(exact))
 
+  def exact(p, lo):
+    # The exact float32 weight merge(p, lo); wide leaves (lo None) as they are.
+    if lo is None:
+      return p
+    return bits.merge_float32(p, to_device(lo) if offload else lo, rounding)
+
+  def land(p, new_x):
+    # The delta that apply_updates turns into the bf16 part of new_x, and the
+    # new residual, sent back where residuals live.
+    hi, new_lo = bits.split_float32(new_x, rounding)
+    return landing_delta(p, hi), to_host(new_lo) if offload else new_lo
+
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError("kahan(...).update needs params: call "
@@ -352,32 +364,24 @@ def kahan(
     _check_residuals(params, state.residuals)
     if isinstance(inner, LeafwiseTransformation):
       return leafwise_update(updates, state, params, extra_args)
-    lows = jax.tree.map(lambda lo: to_device(lo) if offload else lo,
-                        state.residuals)
-    x32 = _map(lambda path, p, lo: p if lo is None
-               else bits.merge_float32(p, lo, rounding), params, lows)
-    g32 = _upcast(updates)
-    u, inner_state = inner.update(g32, state.inner_state, x32, **extra_args)
+    x32 = _map(lambda path, p, lo: exact(p, lo), params, state.residuals)
+    u, inner_state = inner.update(_upcast(updates), state.inner_state, x32,
+                                  **extra_args)
 
     def step_leaf(path, p, x, u, lo):
       if p is None or u is None:
         return None, lo
       if lo is None:
         return u, None
-      hi, new_lo = bits.split_float32(x + u.astype(jnp.float32), rounding)
-      return landing_delta(p, hi), to_host(new_lo) if offload else new_lo
+      return land(p, x + u.astype(jnp.float32))
 
     deltas, residuals = _unzip(
-        _map(step_leaf, params, x32, u, lows), params)
+        _map(step_leaf, params, x32, u, state.residuals), params)
     return deltas, KahanState(residuals, inner_state)
 
   def decode(g, p_lo):
     # One leaf's float32 gradient and exact float32 weight, inside an island.
-    p, lo = p_lo
-    if lo is None:
-      return _upcast(g), p
-    return _upcast(g), bits.merge_float32(
-        p, to_device(lo) if offload else lo, rounding)
+    return _upcast(g), exact(*p_lo)
 
   def leafwise_update(grads, state, params, extra_args):
     # Each leaf's merge and inner update run in one island; only the exact
@@ -399,13 +403,9 @@ def kahan(
     outs = for_each_leaf(leaf, grads, plan.leaf_states, p_lo)
     deltas, new_lows = [], []
     for p, lo, (out, _) in zip(flat, lows, outs):
-      if lo is None:
-        deltas.append(out)
-        new_lows.append(None)
-      else:
-        hi, new_lo = bits.split_float32(out, rounding)
-        deltas.append(landing_delta(p, hi))
-        new_lows.append(to_host(new_lo) if offload else new_lo)
+      delta, new_lo = (out, None) if lo is None else land(p, out)
+      deltas.append(delta)
+      new_lows.append(new_lo)
     return (jax.tree.unflatten(treedef, deltas),
             KahanState(jax.tree.unflatten(treedef, new_lows),
                        plan.finish([s for _, s in outs])))

@@ -121,7 +121,7 @@ class LeafwiseTransformation(optax.GradientTransformationExtraArgs):
     def update(updates, state, params=None, **extra_args):
       grads, treedef = jax.tree.flatten(updates)
       xs = None if params is None else treedef.flatten_up_to(params)
-      plan = prepare(grads, state, xs, _no_decode, **extra_args)
+      plan = prepare(grads, state, xs, identity_decode, **extra_args)
       outs = for_each_leaf(plan.leaf_update, grads, plan.leaf_states,
                            [None] * len(grads) if xs is None else xs)
       return (jax.tree.unflatten(treedef, [u for u, _ in outs]),
@@ -132,7 +132,8 @@ class LeafwiseTransformation(optax.GradientTransformationExtraArgs):
     return tx
 
 
-def _no_decode(g: Any, x: Any) -> tuple[Any, Any]:
+def identity_decode(g: Any, x: Any) -> tuple[Any, Any]:
+  """The ``decode`` of plain leaves: gradient and params as they are."""
   return g, x
 
 

@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_kahan.leafwise import for_each_leaf
+from optax_kahan.leafwise import identity_decode
 from optax_kahan.leafwise import LeafwisePlan
 from optax_kahan.leafwise import LeafwiseTransformation
 from optax_kahan.second_moment import check_positive
@@ -273,7 +274,7 @@ def scale_by_prodigy(
     check_params(params)
     grads, treedef = jax.tree.flatten(updates)
     scales, step, finish = first_pass(
-        grads, state, treedef.flatten_up_to(params), lambda g, x: (g, x))
+        grads, state, treedef.flatten_up_to(params), identity_decode)
     direction, pstate = preconditioner.update(
         updates, state.preconditioner_state, params, **scales, **extra_args)
     return jax.tree.map(step, direction, params), finish(pstate)
