@@ -93,27 +93,32 @@ def bound(shapes: model_shapes.Shapes) -> float:
 
 
 def time_ratios(shapes: model_shapes.Shapes, reps: int) -> dict[str, float]:
-  """Median step time of leafwise / default, each pair interleaved."""
-  steps, carries, grads = {}, {}, {}
+  """Median step time of leafwise / default, each pair timed interleaved.
+
+  One pair at a time, its two steps alternating, so that each ratio comes
+  from steps timed close together. (Timed all in one loop, one run of three
+  gave ratios up to 2x those of the runs around it, for no reason found.)
+  """
+  ratios = {}
   for name, (default, leafwise) in CONFIGS.items():
     if leafwise is None:
       continue
+    steps, carries, grads, times = {}, {}, {}, {}
     for mode, make in (("default", default), ("leafwise", leafwise)):
       cfg = speed.Config(name, make, jnp.bfloat16, False, 0.0)
-      key = (name, mode)
-      steps[key], carries[key], grads[key] = speed.make_step(cfg, shapes)
-      carries[key] = jax.block_until_ready(
-          steps[key](carries[key], grads[key]))  # compile, warm
-  times = {key: [] for key in steps}
-  for _ in range(reps):
-    for key in steps:
-      t0 = time.perf_counter()
-      carries[key] = jax.block_until_ready(steps[key](carries[key],
-                                                      grads[key]))
-      times[key].append(time.perf_counter() - t0)
-  return {name: statistics.median(times[(name, "leafwise")])
-                / statistics.median(times[(name, "default")])
-          for name, _ in steps}
+      steps[mode], carries[mode], grads[mode] = speed.make_step(cfg, shapes)
+      carries[mode] = jax.block_until_ready(
+          steps[mode](carries[mode], grads[mode]))  # compile, warm
+      times[mode] = []
+    for _ in range(reps):
+      for mode in steps:
+        t0 = time.perf_counter()
+        carries[mode] = jax.block_until_ready(steps[mode](carries[mode],
+                                                          grads[mode]))
+        times[mode].append(time.perf_counter() - t0)
+    ratios[name] = (statistics.median(times["leafwise"])
+                    / statistics.median(times["default"]))
+  return ratios
 
 
 def run(models: dict[str, model_shapes.Shapes],
