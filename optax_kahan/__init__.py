@@ -13,13 +13,11 @@ from optax_kahan.kahan import kahan_replace_residuals
 from optax_kahan.kahan import kahan_residuals
 from optax_kahan.kahan import kahan_to_float32
 from optax_kahan.kahan import KahanState
-from optax_kahan.factored_second_moment import FactoredMoment
 from optax_kahan.factored_second_moment import scale_by_factored_second_moment
 from optax_kahan.factored_second_moment import ScaleByFactoredSecondMomentState
 from optax_kahan.leafwise import for_each_leaf
 from optax_kahan.leafwise import leafwise
 from optax_kahan.leafwise import LeafwisePlan
-from optax_kahan.leafwise import LeafwiseState
 from optax_kahan.leafwise import LeafwiseTransformation
 from optax_kahan.prodigy import prodigy_d
 from optax_kahan.prodigy import scale_by_prodigy
@@ -32,14 +30,13 @@ from optax_kahan.stochastic_rounding import stochastic_round
 from optax_kahan.stochastic_rounding import stochastic_round_apply_updates
 from optax_kahan.stochastic_rounding import stochastic_rounding
 from optax_kahan.stochastic_rounding import StochasticRoundingState
+from optax_kahan.train_state import kahan_train_state
 
 __version__ = "0.1.0"
 
 __all__ = (
-    "FactoredMoment",
     "KahanState",
     "LeafwisePlan",
-    "LeafwiseState",
     "LeafwiseTransformation",
     "ScaleByFactoredSecondMomentState",
     "ScaleByProdigyState",
@@ -54,6 +51,7 @@ __all__ = (
     "kahan_replace_residuals",
     "kahan_residuals",
     "kahan_to_float32",
+    "kahan_train_state",
     "leafwise",
     "merge_float32",
     "prodigy",

@@ -12,8 +12,6 @@ transformation sees float32 params), so the figures double while the bf16
 weights stay exact.
 """
 
-from __future__ import annotations
-
 from typing import Optional
 
 import optax
@@ -21,8 +19,7 @@ import optax
 from optax_kahan import leafwise as leafwise_lib
 from optax_kahan.factored_second_moment import scale_by_factored_second_moment
 from optax_kahan.prodigy import scale_by_prodigy
-from optax_kahan.second_moment import check_beta
-from optax_kahan.second_moment import check_positive
+from optax_kahan import validation
 from optax_kahan.second_moment import scale_by_second_moment
 from optax_kahan.stable_adamw import scale_by_stable_adamw
 
@@ -92,23 +89,31 @@ def prodigy(
       slice_p < 1, eps <= 0 and other out-of-range values, naming the argument.
 
   Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
     >>> import optax_kahan as ok
-    >>> tx = ok.kahan(ok.prodigy())          # bf16 params, exact float32 update
+    >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+    >>> grads = {"w": jnp.full((4, 4), 0.1, jnp.bfloat16)}
+    >>> tx = ok.kahan(ok.prodigy())  # bf16 params, exact float32 update
     >>> state = tx.init(params)
     >>> updates, state = tx.update(grads, state, params)
-    >>> ok.prodigy_d(state)                  # the current step size estimate
+    >>> params = optax.apply_updates(params, updates)
+    >>> d = ok.prodigy_d(state)  # the current step size estimate
 
   References:
     Mishchenko & Defazio, "Prodigy: An Expeditiously Adaptive Parameter-Free
     Learner", ICML 2024; prodigyopt 1.1.2 and its PRs #20 (b1 = 0, factored,
     update clip) and #22 (slice_p).
   """
-  check_beta("b1", b1)
-  check_beta("b2", b2)
-  check_positive("eps", eps)
-  check_positive("eps2", eps2, allow_zero=True)
+  validation.check_beta("b1", b1)
+  validation.check_beta("b2", b2)
+  validation.check_positive("eps", eps)
+  validation.check_positive("eps2", eps2, allow_zero=True)
   if update_clip is not None:
-    check_positive("update_clip", update_clip)
+    validation.check_positive("update_clip", update_clip)
+  validation.warn_low_precision_hyperparams(
+      "prodigy", learning_rate=learning_rate, b1=b1, b2=b2, b3=b3, eps=eps,
+      weight_decay=weight_decay, d0=d0, d_coef=d_coef)
   if leafwise and not decouple:
     raise ValueError(
         "prodigy(leafwise=True) needs decouple=True: the coupled (L2) weight "
@@ -165,10 +170,46 @@ def prodigy_factored(
   less state than ``prodigy()``): no first moment, Adafactor's row/column
   second moment, the d statistics on every 11th entry, and each leaf's update
   clipped to RMS 1 (Adafactor's clip, which tames the spikes of a factored
-  ``v``). Arguments as in ``prodigy``.
+  ``v``).
+
+  Use it inside ``kahan``: on plain bf16 params the first steps, of size
+  ``d0 = 1e-6`` times the learning rate, are far below half a bf16 ulp, so
+  the weights do not move, ``<g, x0 - x>`` stays 0 and ``d`` never leaves
+  ``d0`` (the run stalls without an error).
+
+  Args:
+    learning_rate: multiplier of Prodigy's ``d`` (keep 1.0), float or schedule.
+    b1: first-moment decay; 0 (the default) keeps no first-moment buffer.
+    b2: decay of the factored second moment.
+    b3: decay of the d statistics; None means ``sqrt(b2)``.
+    eps: added to ``sqrt(v^)``, scaled by ``d``.
+    weight_decay: weight decay ``lambda``.
+    decouple: AdamW-style decoupled decay (True) or L2 added to the gradient.
+    use_bias_correction: fold Adam's bias correction into the step size.
+    safeguard_warmup: leave the learning rate out of ``s`` (for warm-up).
+    d0: initial ``d``.
+    d_coef: multiplier of the estimate ``d^``.
+    growth_rate: largest per-step growth of ``d`` (inf: unbounded).
+    slice_p: estimate ``d`` on every ``slice_p``-th entry of each leaf (11:
+      1/11 of the entries, as prodigyopt PR #22 suggests).
+    update_clip: clip each leaf's preconditioned update to this RMS
+      (Adafactor's clip), or None.
+    eps2: added to ``g^2`` in the factored moment (never scaled by ``d^2``).
+    leafwise: run the step one leaf at a time (``optax_kahan.leafwise``).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` (a
+    ``LeafwiseTransformation`` with ``leafwise=True``).
 
   Example:
-    >>> tx = kahan(prodigy_factored())
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_kahan as ok
+    >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+    >>> tx = ok.kahan(ok.prodigy_factored())
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(params, state, params)
+    >>> params = optax.apply_updates(params, updates)
 
   References:
     Shazeer & Stern, 2018 (Adafactor); Mishchenko & Defazio, 2024 (Prodigy).
@@ -213,14 +254,18 @@ def stable_adamw(
     ``leafwise=True``).
 
   Example:
-    >>> tx = kahan(stable_adamw(1e-4))
+    >>> import optax_kahan as ok
+    >>> tx = ok.kahan(ok.stable_adamw(1e-4))
 
   References:
     Wortsman et al., "Stable and low-precision training for large-scale
     vision-language models", NeurIPS 2023 (arXiv:2304.13013).
   """
-  check_beta("b1", b1)
-  check_beta("b2", b2)
+  validation.check_beta("b1", b1)
+  validation.check_beta("b2", b2)
+  validation.warn_low_precision_hyperparams(
+      "stable_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+      weight_decay=weight_decay)
   tx = optax.chain(
       scale_by_stable_adamw(b1, b2, eps, weight_decay),
       optax.scale_by_learning_rate(learning_rate))

@@ -40,10 +40,12 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Rounding = Literal["nearest", "truncate"]
@@ -81,6 +83,13 @@ def split_float32(
     back bit for bit, except in the saturation band named in the module
     docstring (nearest mode only).
 
+  Gradients: bit operations have none, so ``hi`` is given the straight-through
+  derivative ``d hi / d x = 1`` (the gradient reaches ``x``, cast back to
+  float32): differentiating a loss of ``split_float32(w32)[0]``, the bf16
+  forward value of float32 master weights, gives the bf16 forward pass's
+  gradient, as ``w32.astype(jnp.bfloat16)`` would. ``lo`` is an integer and
+  carries no gradient.
+
   Example:
     >>> hi, lo = split_float32(jnp.float32(1.0 + 2**-20))
     >>> merge_float32(hi, lo) == jnp.float32(1.0 + 2**-20)
@@ -90,6 +99,11 @@ def split_float32(
   x = jnp.asarray(x)
   if x.dtype != jnp.float32:
     raise TypeError(f"split_float32 expects float32, got {x.dtype}")
+  return _split(x, rounding)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _split(x: jax.Array, rounding: Rounding) -> tuple[jax.Array, jax.Array]:
   bits = lax.bitcast_convert_type(x, jnp.uint32)
   mag = bits & jnp.uint32(_MAG)
   lo = (bits & jnp.uint32(0xFFFF)).astype(jnp.uint16)
@@ -108,6 +122,14 @@ def split_float32(
   return hi, lo
 
 
+@_split.defjvp
+def _split_jvp(rounding, primals, tangents):
+  (x,), (t,) = primals, tangents
+  hi, lo = _split(x, rounding)
+  return (hi, lo), (t.astype(jnp.bfloat16),
+                    np.zeros(lo.shape, jax.dtypes.float0))
+
+
 def merge_float32(
     hi: jax.Array, lo: jax.Array, rounding: Rounding = "nearest"
 ) -> jax.Array:
@@ -121,6 +143,9 @@ def merge_float32(
   Returns:
     The float32 array ``hi << 16 | lo`` (truncate), or in nearest mode the same
     on the magnitude minus ``0x10000`` when ``lo >= 0x8000``.
+
+  Gradients: straight through ``hi`` (``d out / d hi = 1``), none through the
+  integer ``lo``.
   """
   check_rounding(rounding)
   hi = jnp.asarray(hi)
@@ -129,6 +154,11 @@ def merge_float32(
     raise TypeError(f"merge_float32 expects bfloat16 hi, got {hi.dtype}")
   if lo.dtype != jnp.uint16:
     raise TypeError(f"merge_float32 expects uint16 lo, got {lo.dtype}")
+  return _merge(hi, lo, rounding)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _merge(hi: jax.Array, lo: jax.Array, rounding: Rounding) -> jax.Array:
   hi_bits = lax.bitcast_convert_type(hi, jnp.uint16).astype(jnp.uint32)
   lo = lo.astype(jnp.uint32)
   if rounding == "truncate":
@@ -140,3 +170,10 @@ def merge_float32(
     mag = jnp.where(rounded_up, mag - jnp.uint32(0x10000), mag)
     bits = sign | mag
   return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+@_merge.defjvp
+def _merge_jvp(rounding, primals, tangents):
+  hi, lo = primals
+  t_hi, _ = tangents
+  return _merge(hi, lo, rounding), t_hi.astype(jnp.float32)

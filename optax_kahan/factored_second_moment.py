@@ -42,23 +42,26 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan.second_moment import check_beta
+from optax_kahan import validation
 from optax_kahan.second_moment import first_moment
 from optax_kahan.second_moment import rescale_moment
 
 
-class FactoredMoment(NamedTuple):
-  """Second moment of one leaf: ``row`` and ``col`` EMAs, or a full ``v``."""
-  row: Optional[jax.Array]  # shape[:-1]
-  col: Optional[jax.Array]  # shape[:-2] + shape[-1:]
-  v: Optional[jax.Array]    # full, for leaves that are not factored
-
-
 class ScaleByFactoredSecondMomentState(NamedTuple):
-  """State of ``scale_by_factored_second_moment``."""
+  """State of ``scale_by_factored_second_moment``.
+
+  ``row``, ``col`` and ``v`` are trees like the params (as in optax's
+  ``FactoredState``). A factored leaf has its row and column EMAs and a
+  one-element placeholder ``v``; any other leaf has a full ``v`` and
+  placeholder ``row`` and ``col``. Placeholders, not None: containers that
+  rebuild the state from its arrays (Flax NNX's ``nnx.Optimizer``) drop None
+  entries; and not empty arrays, which orbax refuses to save.
+  """
   count: chex.Array  # int32 scalar
   mu: Optional[optax.Updates]
-  nu: optax.Updates  # a tree of FactoredMoment
+  row: optax.Updates  # shape[:-1] per factored leaf
+  col: optax.Updates  # shape[:-2] + shape[-1:] per factored leaf
+  v: optax.Updates    # the full second moment of the other leaves
 
 
 def scale_by_factored_second_moment(
@@ -100,55 +103,71 @@ def scale_by_factored_second_moment(
   References:
     Shazeer & Stern, 2018.
   """
-  check_beta("b1", b1)
+  validation.check_beta("b1", b1)
   if not callable(b2):
-    check_beta("b2", b2)
+    validation.check_beta("b2", b2)
   if isinstance(eps, (int, float)) and eps < 0:
     raise ValueError(f"eps must be >= 0, got {eps}")
   if isinstance(eps2, (int, float)) and eps2 < 0:
     raise ValueError(f"eps2 must be >= 0, got {eps2}")
-  use_mu = not (isinstance(b1, (int, float)) and b1 == 0)
 
   def factored(p) -> bool:
     return p.ndim >= 2 and min(p.shape[-2:]) >= min_dim_size_to_factor
 
-  def init_moment(p):
-    if factored(p):
-      # zeros_like of the means: the state takes the update's own sharding.
-      return FactoredMoment(
-          row=jnp.zeros_like(jnp.mean(p, axis=-1), dtype=p.dtype),
-          col=jnp.zeros_like(jnp.mean(p, axis=-2), dtype=p.dtype), v=None)
-    return FactoredMoment(row=None, col=None, v=jnp.zeros_like(p))
+  def unused(p):
+    return jnp.zeros((1,), p.dtype)
+
+  # zeros_like of the means: the state takes the update's own sharding.
+  def init_row(p):
+    if not factored(p):
+      return unused(p)
+    return jnp.zeros_like(jnp.mean(p, axis=-1), dtype=p.dtype)
+
+  def init_col(p):
+    if not factored(p):
+      return unused(p)
+    return jnp.zeros_like(jnp.mean(p, axis=-2), dtype=p.dtype)
+
+  def init_v(p):
+    return unused(p) if factored(p) else jnp.zeros_like(p)
 
   def init_fn(params):
+    if validation.is_abstract(params):
+      return jax.eval_shape(init_fn, params)
+    validation.check_real("scale_by_factored_second_moment", params)
+    use_mu = not validation.is_static_zero(b1)
     mu = optax.tree.zeros_like(params) if use_mu else None
     return ScaleByFactoredSecondMomentState(
-        jnp.zeros([], jnp.int32), mu, jax.tree.map(init_moment, params))
+        jnp.zeros([], jnp.int32), mu, jax.tree.map(init_row, params),
+        jax.tree.map(init_col, params), jax.tree.map(init_v, params))
 
   def update_fn(updates, state, params=None, *, d_ratio=1.0, d_growth=1.0,
                 **extra_args):
     del params, extra_args
+    validation.check_state("scale_by_factored_second_moment", state,
+                           ScaleByFactoredSecondMomentState)
     count = optax.safe_increment(state.count)
     decay = b2(count) if callable(b2) else b2
     scale = d_ratio**2
 
-    def update_moment(g, nu):
+    def update_moment(g, row, col, v):
       g2 = jnp.square(g.astype(jnp.float32)) + eps2
-      if nu.v is not None:
-        v = rescale_moment(nu.v, decay, scale, g2)
-        return FactoredMoment(None, None, v), v.astype(jnp.float32)
-      row = rescale_moment(nu.row, decay, scale, jnp.mean(g2, axis=-1))
-      col = rescale_moment(nu.col, decay, scale, jnp.mean(g2, axis=-2))
+      if not factored(g):
+        v = rescale_moment(v, decay, scale, g2)
+        return row, col, v, v.astype(jnp.float32)
+      row = rescale_moment(row, decay, scale, jnp.mean(g2, axis=-1))
+      col = rescale_moment(col, decay, scale, jnp.mean(g2, axis=-2))
       r32 = row.astype(jnp.float32)
       row_factor = r32 / jnp.mean(r32, axis=-1, keepdims=True)
       v_hat = row_factor[..., :, None] * col.astype(jnp.float32)[..., None, :]
-      return FactoredMoment(row, col, None), v_hat
+      return row, col, v, v_hat
 
     leaves, treedef = jax.tree.flatten(updates)
-    moments = [update_moment(g, nu)
-               for g, nu in zip(leaves, treedef.flatten_up_to(state.nu))]
-    nu = treedef.unflatten([m for m, _ in moments])
-    v_hat = treedef.unflatten([v for _, v in moments])
+    moments = [update_moment(*leaf) for leaf in zip(
+        leaves, *(treedef.flatten_up_to(t)
+                  for t in (state.row, state.col, state.v)))]
+    row, col, v, v_hat = (treedef.unflatten(list(part))
+                          for part in zip(*moments))
 
     g32 = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
     mu, num = first_moment(state.mu, g32, b1, d_ratio, d_growth)
@@ -156,6 +175,6 @@ def scale_by_factored_second_moment(
     out = jax.tree.map(
         lambda g, m, v: (m.astype(jnp.float32) / (jnp.sqrt(v) + d_growth * eps)
                          ).astype(g.dtype), updates, num, v_hat)
-    return out, ScaleByFactoredSecondMomentState(count, mu, nu)
+    return out, ScaleByFactoredSecondMomentState(count, mu, row, col, v)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -28,6 +28,7 @@ References:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_kahan import bits
+from optax_kahan import validation
 from optax_kahan.bits import Rounding
 from optax_kahan.leafwise import for_each_leaf
 from optax_kahan.leafwise import LeafwiseTransformation
@@ -69,17 +71,60 @@ def needs_residual(leaf: Any, path: str = "") -> bool:
       "(updated normally); cast it, or leave it out with optax.masked")
 
 
-def _check_residuals(params: Any, residuals: Residuals) -> None:
-  """Raises ValueError unless ``residuals`` matches ``params`` leaf by leaf."""
-  p_def = jax.tree.structure(params, is_leaf=lambda x: x is None)
-  r_def = jax.tree.structure(residuals, is_leaf=lambda x: x is None)
-  if p_def != r_def:
-    raise ValueError(
-        "residuals do not match the params' tree structure:\n"
-        f"  params:    {p_def}\n  residuals: {r_def}\n"
-        "(make residuals with kahan_init(params) or kahan_from_float32)")
-  for (path, p), (_, r) in zip(_leaves_with_paths(params),
-                               _leaves_with_paths(residuals)):
+def _is_none(x: Any) -> bool:
+  return x is None
+
+
+def _leaves_like(params: Any, tree: Any, what: str,
+                 strict: bool = False) -> list[Any]:
+  """``tree``'s entries, one per leaf of ``params`` (None leaves included).
+
+  Unless ``strict``, the trees may differ in node types where their key
+  paths agree: a Flax NNX ``nnx.state(model, nnx.Param)`` against the
+  optimizer's ``OptVariable`` nodes, say. A ``optax.MaskedNode`` stands for a
+  leaf that an outer ``optax.masked`` or ``optax.partition`` keeps away from
+  this ``kahan``.
+
+  Raises:
+    ValueError: naming the first path where the trees differ, and what each
+      has there (a ``FrozenDict`` against a ``dict``, a missing key).
+  """
+  treedef = jax.tree.structure(params, is_leaf=_is_none)
+  try:
+    return treedef.flatten_up_to(tree)
+  except (ValueError, TypeError):
+    if strict:
+      where = validation.tree_mismatch(params, tree, names=("params", what),
+                                       is_leaf=_is_none)
+      raise ValueError(
+          f"{what} do not match the params' tree: {where}") from None
+  p_flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_none)[0]
+  t_flat = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))[0]
+  if ([jax.tree_util.keystr(k) for k, _ in p_flat]
+      == [jax.tree_util.keystr(k) for k, _ in t_flat]):
+    return [x for _, x in t_flat]
+  where = validation.tree_mismatch(params, tree, names=("params", what),
+                                   is_leaf=_is_none)
+  raise ValueError(f"{what} do not match the params' tree: {where}")
+
+
+def _check_residuals(params: Any, residuals: Residuals,
+                     allow_masked: bool = False) -> list[Any]:
+  """The residuals, one per params leaf, checked leaf by leaf.
+
+  With ``allow_masked`` (the export), node types may differ where the key
+  paths agree and ``optax.MaskedNode`` residuals are accepted; otherwise (a
+  step) the trees must match exactly.
+
+  Raises:
+    ValueError: naming the leaf whose residual is missing, superfluous or of
+      the wrong dtype or shape, or the first path where the trees differ.
+  """
+  lows = _leaves_like(params, residuals, "residuals", strict=not allow_masked)
+  for (path, p), r in zip(_leaves_with_paths(params), lows):
+    if allow_masked and isinstance(r, optax.MaskedNode):
+      continue
     if needs_residual(p, path):
       if r is None or jnp.result_type(r) != jnp.uint16 or r.shape != p.shape:
         got = None if r is None else f"{jnp.result_type(r)}{list(r.shape)}"
@@ -87,16 +132,24 @@ def _check_residuals(params: Any, residuals: Residuals) -> None:
             f"residual for bfloat16 leaf {path} must be uint16{list(p.shape)}, "
             f"got {got}")
     elif r is not None:
+      dtype = jnp.result_type(p) if p is not None else None
+      hint = ""
+      if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        hint = (": it was bfloat16 when the residual was made. kahan's updates "
+                "are float32, so p + u promotes a bfloat16 weight to float32; "
+                "apply them with optax.apply_updates(params, updates), which "
+                "keeps each param's dtype")
       raise ValueError(
-          f"leaf {path} is {jnp.result_type(p) if p is not None else None} and "
-          f"needs no residual, got {jnp.result_type(r)}{list(r.shape)}")
+          f"leaf {path} is {dtype} and needs no residual, got "
+          f"{jnp.result_type(r)}{list(r.shape)}{hint}")
+  return lows
 
 
 def _map(fn, params: Any, *trees: Any) -> Any:
   """Maps ``fn(path, p, *xs)`` over params' leaves (None leaves included)."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(
       params, is_leaf=lambda x: x is None)
-  others = [treedef.flatten_up_to(t) for t in trees]
+  others = [_leaves_like(params, t, "trees") for t in trees]
   out = [fn(jax.tree_util.keystr(path), p, *xs)
          for (path, p), *xs in zip(flat, *others)]
   return jax.tree.unflatten(treedef, out)
@@ -243,12 +296,26 @@ def kahan_to_float32(
   """The exact float32 value of each weight: ``merge(p, lo)``.
 
   Use it to export a float32 checkpoint, to evaluate at full precision, or to
-  compare with a float32 run. Wide float leaves are returned as they are.
+  compare with a float32 run. Wide float leaves are returned as they are. A
+  bfloat16 leaf that this ``kahan`` does not train (its residual is an
+  ``optax.MaskedNode``: ``kahan`` inside ``optax.masked`` or
+  ``optax.partition``) is exactly its bfloat16 value, returned in float32.
+
+  Args:
+    params: the params; with Flax NNX, ``nnx.state(model, nnx.Param)``.
+    residuals: ``kahan_residuals(opt_state)`` (with NNX,
+      ``kahan_residuals(optimizer.opt_state)``), or from ``kahan_init``.
+    rounding: the mode the residuals were made with.
+
+  Returns:
+    A tree like ``params`` of float32 (and the wide leaves' dtypes) arrays.
   """
   bits.check_rounding(rounding)
-  _check_residuals(params, residuals)
+  _check_residuals(params, residuals, allow_masked=True)
 
   def merge_leaf(path, p, lo):
+    if isinstance(lo, optax.MaskedNode):
+      return p.astype(jnp.promote_types(p.dtype, jnp.float32))
     if lo is None:
       return p
     return bits.merge_float32(p, to_device(lo) if _on_host(lo) else lo,
@@ -336,14 +403,18 @@ def kahan(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params, residuals=None):
+    if validation.is_abstract(params):
+      return jax.eval_shape(init_fn, params, residuals)
     if residuals is None:
       residuals = kahan_init(params, rounding=rounding, offload=offload)
-      return KahanState(residuals, inner.init(_upcast(params)))
-    _check_residuals(params, residuals)
-    exact = kahan_to_float32(params, residuals, rounding=rounding)
-    residuals = jax.tree.map(lambda lo: to_host(lo) if offload else lo,
-                             residuals)
-    return KahanState(residuals, inner.init(exact))
+      state = KahanState(residuals, inner.init(_upcast(params)))
+    else:
+      _check_residuals(params, residuals)
+      exact = kahan_to_float32(params, residuals, rounding=rounding)
+      residuals = jax.tree.map(lambda lo: to_host(lo) if offload else lo,
+                               residuals)
+      state = KahanState(residuals, inner.init(exact))
+    return _commit_with(state, params) if offload else state
 
   def exact(p, lo):
     # The exact float32 weight merge(p, lo); wide leaves (lo None) as they are.
@@ -361,7 +432,9 @@ def kahan(
     if params is None:
       raise ValueError("kahan(...).update needs params: call "
                        "tx.update(grads, state, params)")
+    validation.check_state("kahan(...)", state, KahanState)
     _check_residuals(params, state.residuals)
+    _check_memory(params, state.residuals, offload)
     if isinstance(inner, LeafwiseTransformation):
       return leafwise_update(updates, state, params, extra_args)
     x32 = _map(lambda path, p, lo: exact(p, lo), params, state.residuals)
@@ -391,7 +464,8 @@ def kahan(
     lows = treedef.flatten_up_to(state.residuals)
     grads = treedef.flatten_up_to(grads)
     p_lo = list(zip(flat, lows))
-    plan = inner.prepare(grads, state.inner_state, p_lo, decode, **extra_args)
+    plan = inner.prepare(grads, state.inner_state, p_lo, decode, treedef,
+                         **extra_args)
 
     def leaf(g, s, p_lo):
       g, x = decode(g, p_lo)
@@ -411,6 +485,68 @@ def kahan(
                        plan.finish([s for _, s in outs])))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_memory(params: Any, residuals: Residuals, offload: bool) -> None:
+  """Raises ValueError for a residual outside the memory ``offload`` says.
+
+  A step reads each residual from, and writes it back to, host memory with
+  ``offload=True`` (device memory with False). A residual that arrives in the
+  other memory (restored with a target that carries no memory kind, say)
+  would leave the step in another memory than it came in, and a step that
+  donates its state then aborts the process inside the runtime; this check
+  runs while the step is traced, before anything executes.
+  """
+  for (path, _), lo in zip(_leaves_with_paths(params),
+                           _leaves_like(params, residuals, "residuals")):
+    if lo is None or isinstance(lo, optax.MaskedNode):
+      continue
+    if _on_host(lo) != offload:
+      where, want = (("device", "host (pinned_host)") if offload
+                     else ("host", "device"))
+      raise ValueError(
+          f"the residual of leaf {path} is in {where} memory, but "
+          f"kahan(offload={offload}) keeps residuals in {want} memory. Restore "
+          "checkpoints with targets that carry the state's shardings "
+          "(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) of a "
+          "fresh tx.init(params)), or move them: opt_state = "
+          "ok.kahan_replace_residuals(opt_state, jax.device_put(residuals, "
+          f"jax.memory.Space.{'Host' if offload else 'Device'}))")
+
+
+def _commit_with(state: Any, params: Any) -> Any:
+  """Commits ``state``'s uncommitted arrays where the params live.
+
+  Offloaded residuals are committed arrays (they carry a memory kind). When a
+  jitted step gets committed and uncommitted arguments, JAX lowers the
+  uncommitted ones without a placement; the step's outputs are all
+  committed, so the second call lowers differently and the whole step
+  compiles again (minutes for a large model). Committing the whole state
+  avoids that when the params are committed too (as restored or
+  ``jax.device_put`` params are); for uncommitted params this warns, since
+  only the caller can commit them.
+  """
+  arrays = [x for x in jax.tree.leaves(params)
+            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+  if not arrays:
+    return state
+  if not all(x.committed for x in arrays):
+    warnings.warn(
+        "kahan(offload=True): the params are not committed to a device, so "
+        "the first jitted step will compile twice (its outputs are "
+        "committed). Commit them once, before init: params = "
+        "jax.device_put(params, jax.devices()[0]) (restored and sharded "
+        "params already are)", stacklevel=3)
+    return state
+  sharding = arrays[0].sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    target = jax.sharding.NamedSharding(sharding.mesh, jax.P())
+  else:
+    target = jax.sharding.SingleDeviceSharding(
+        next(iter(sharding.device_set)))
+  return jax.tree.map(
+      lambda x: x if not isinstance(x, jax.Array) or x.committed
+      else jax.device_put(x, target), state)
 
 
 def _upcast(tree: Any) -> Any:
@@ -434,20 +570,40 @@ def landing_delta(p: jax.Array, new: jax.Array) -> jax.Array:
 
 
 def kahan_residuals(opt_state: optax.OptState) -> Residuals:
-  """The residuals of the (first) ``KahanState`` inside ``opt_state``.
+  """The residuals of the ``KahanState`` inside ``opt_state``.
 
   Works whatever wraps ``kahan`` (``optax.apply_if_finite``, ``MultiSteps``,
-  a chain); use it to export exact float32 weights with ``kahan_to_float32``.
+  ``inject_hyperparams``, a chain, Flax NNX's ``nnx.Optimizer`` state); use
+  it to export exact float32 weights with ``kahan_to_float32``. Under
+  ``optax.partition`` or ``optax.masked`` with one ``kahan`` per group, each
+  ``KahanState`` holds ``optax.MaskedNode`` for the leaves of the other
+  groups; they are combined leaf by leaf.
 
   Raises:
-    ValueError: if ``opt_state`` holds no ``KahanState``.
+    ValueError: if ``opt_state`` holds no ``KahanState``, or two of them
+      hold a residual for the same leaf.
   """
   found = [s for s in jax.tree.leaves(
       opt_state, is_leaf=lambda x: isinstance(x, KahanState))
            if isinstance(s, KahanState)]
   if not found:
     raise ValueError("no KahanState in this optimizer state")
-  return found[0].residuals
+
+  def combine(path, a, b):
+    if isinstance(a, optax.MaskedNode) or a is None:
+      return b
+    if isinstance(b, optax.MaskedNode) or b is None:
+      return a
+    raise ValueError(
+        f"two KahanStates hold a residual for leaf {jax.tree_util.keystr(path)}"
+        ": read each one's .residuals instead")
+
+  residuals = found[0].residuals
+  for other in found[1:]:
+    residuals = jax.tree_util.tree_map_with_path(
+        combine, residuals, other.residuals,
+        is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))
+  return residuals
 
 
 def kahan_replace_residuals(

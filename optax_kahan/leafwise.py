@@ -53,11 +53,20 @@ when the update is fused into ``optax.apply_updates``, which an island
 boundary prevents (inside ``kahan`` the sum is formed inside the island
 either way).
 
-Costs: the state holds ``tx``'s state once per leaf (a step count per leaf, a
-few bytes each), so it is laid out differently from ``tx``'s (checkpoints of
-the two do not mix); each leaf is a conditional, run in sequence (the step
-time is measured by ``benchmarks/step_memory.py``; on GPU a conditional reads
-its predicate back to the host once per leaf).
+State: ``leafwise(tx)`` keeps ``tx``'s own state, laid out as ``tx`` lays it
+out, so checkpoints of the two mix and ``optax.tree.map_params`` works. At
+each step the state is cut into per-leaf states: the subtrees shaped like the
+params (found, as ``optax.tree.map_params`` finds them, by initialising ``tx``
+on a stand-in for the params) give leaf ``i``'s entry, and every other entry
+(a step count) is shared; after the islands the per-leaf states are put back
+together, the shared entries taken from the first leaf. ``init`` checks, by
+tracing ``tx.update`` once on the whole tree, that no leaf's output reads
+another leaf and that the shared entries read no leaf; a transformation that
+couples leaves (``optax.clip_by_global_norm`` anywhere in a chain) is refused.
+
+Costs: each leaf is a conditional, run in sequence (the step time is measured
+by ``benchmarks/step_memory.py``; on GPU a conditional reads its predicate
+back to the host once per leaf).
 
 Layering: like ``bits``, this module depends on nothing else in the package;
 ``kahan`` and ``scale_by_prodigy`` build on it.
@@ -73,15 +82,11 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import optax
 
 LeafUpdate = Callable[[Any, Any, Any], tuple[Any, Any]]
-
-
-class LeafwiseState(NamedTuple):
-  """State of ``leafwise``: ``tx``'s state for each leaf, in leaf order."""
-  states: tuple[optax.OptState, ...]
 
 
 class LeafwisePlan(NamedTuple):
@@ -103,13 +108,14 @@ class LeafwiseTransformation(optax.GradientTransformationExtraArgs):
 
   Besides ``init`` and ``update`` it has the first pass::
 
-    prepare(grads, state, xs, decode, **extra_args) -> LeafwisePlan
+    prepare(grads, state, xs, decode, treedef, **extra_args) -> LeafwisePlan
 
   with ``grads`` and ``xs`` (or None) lists of leaves in ``jax.tree.leaves``
-  order, and ``decode(g_i, x_i) -> (g, x)`` the function that turns one
-  leaf's entries into the values the math sees, applied inside the first
-  pass's own per-leaf islands. ``update`` is ``prepare`` (with ``decode`` the identity) followed
-  by ``for_each_leaf(plan.leaf_update, ...)``. ``kahan`` instead passes the
+  order, ``treedef`` the params' tree structure, and
+  ``decode(g_i, x_i) -> (g, x)`` the function that turns one leaf's entries
+  into the values the math sees, applied inside the first pass's own
+  per-leaf islands. ``update`` is ``prepare`` (with ``decode`` the identity)
+  followed by ``for_each_leaf(plan.leaf_update, ...)``. ``kahan`` instead passes the
   bf16 params with their residuals and a ``decode`` that merges them, and runs
   ``plan.leaf_update`` inside its own islands, between its merge and its
   split: no float32 copy of the whole tree is ever made.
@@ -121,7 +127,7 @@ class LeafwiseTransformation(optax.GradientTransformationExtraArgs):
     def update(updates, state, params=None, **extra_args):
       grads, treedef = jax.tree.flatten(updates)
       xs = None if params is None else treedef.flatten_up_to(params)
-      plan = prepare(grads, state, xs, identity_decode, **extra_args)
+      plan = prepare(grads, state, xs, identity_decode, treedef, **extra_args)
       outs = for_each_leaf(plan.leaf_update, grads, plan.leaf_states,
                            [None] * len(grads) if xs is None else xs)
       return (jax.tree.unflatten(treedef, [u for u, _ in outs]),
@@ -167,19 +173,145 @@ def for_each_leaf(fn: Callable[..., Any], *columns: list[Any]) -> list[Any]:
   return outs
 
 
+class _ParamsSlot:
+  """Stands in for the params tree in ``tx.init``: a pytree with no leaves.
+
+  ``jax.tree.map(f, slot)`` returns a slot, so every subtree of ``tx``'s
+  state that is made by mapping over the params comes out as a slot; these
+  are the entries cut leaf by leaf (``optax.tree.map_params`` uses the same
+  device).
+  """
+
+
+jax.tree_util.register_pytree_node(
+    _ParamsSlot, lambda _: ((), None), lambda *_: _ParamsSlot())
+
+
+def _is_slot(x: Any) -> bool:
+  return isinstance(x, _ParamsSlot)
+
+
+class _Layout(NamedTuple):
+  """Where a state's per-leaf entries are: a template cut at the slots."""
+  entries: list[Any]  # the template's entries: a _ParamsSlot or a shared leaf
+  treedef: Any        # the template's structure, the slots as leaves
+
+
+def _layout(tx: optax.GradientTransformation) -> _Layout:
+  template = jax.eval_shape(tx.init, _ParamsSlot())
+  entries, treedef = jax.tree.flatten(template, is_leaf=_is_slot)
+  return _Layout(entries, treedef)
+
+
+def _split(layout: _Layout, state: Any, params_def: Any) -> list[Any]:
+  """``state`` cut into one state per leaf (shared entries in each)."""
+  n = params_def.num_leaves
+  columns = [params_def.flatten_up_to(part) if _is_slot(entry) else [part] * n
+             for entry, part in zip(layout.entries,
+                                    layout.treedef.flatten_up_to(state))]
+  return [layout.treedef.unflatten([col[i] for col in columns])
+          for i in range(n)]
+
+
+def _merge(layout: _Layout, states: list[Any], params_def: Any) -> Any:
+  """The per-leaf states put back together (shared entries from the first)."""
+  rows = [layout.treedef.flatten_up_to(s) for s in states]
+  parts = [params_def.unflatten([row[j] for row in rows]) if _is_slot(entry)
+           else rows[0][j] for j, entry in enumerate(layout.entries)]
+  return layout.treedef.unflatten(parts)
+
+
+def _labels_of(layout: _Layout, state: Any, params_def: Any) -> list[int]:
+  """For each array of ``state``: the leaf it belongs to, or -1 if shared."""
+  labels = []
+  for entry, part in zip(layout.entries, layout.treedef.flatten_up_to(state)):
+    if _is_slot(entry):
+      for i, sub in enumerate(params_def.flatten_up_to(part)):
+        labels += [i] * len(jax.tree.leaves(sub))
+    else:
+      labels += [-1] * len(jax.tree.leaves(part))
+  return labels
+
+
+def _reads(jaxpr: Any, in_labels: list[frozenset]) -> list[frozenset]:
+  """Which labelled inputs each output of ``jaxpr`` reads (data flow).
+
+  Inlined calls (``jit``, custom derivatives) are followed inside; any other
+  equation is taken to read all of its inputs into all of its outputs.
+  """
+  env: dict[Any, frozenset] = {}
+
+  def read(v):
+    if isinstance(v, jex.core.Literal):
+      return frozenset()
+    return env.get(v, frozenset())
+
+  for v, lab in zip(jaxpr.invars, in_labels):
+    env[v] = lab
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    inner = getattr(inner, "jaxpr", inner)
+    if (isinstance(inner, jex.core.Jaxpr) and len(inner.invars) == len(ins)
+        and len(inner.outvars) == len(eqn.outvars)):
+      outs = _reads(inner, ins)
+    else:
+      outs = [frozenset().union(*ins)] * len(eqn.outvars)
+    for v, lab in zip(eqn.outvars, outs):
+      env[v] = lab
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _check_per_leaf(tx: optax.GradientTransformation, layout: _Layout,
+                    params: Any, state: Any) -> None:
+  """Raises ValueError if ``tx.update`` lets one leaf's output read another."""
+  flat, params_def = jax.tree.flatten(params)
+  if len(flat) < 2:
+    return
+  paths = [jax.tree_util.keystr(p)
+           for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  shapes = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+            for x in flat]
+  abstract = params_def.unflatten(shapes)
+  try:
+    closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(
+        abstract, state, abstract)
+  except TypeError:
+    return  # tx.update needs extra args to run; nothing to check at init
+  leaf_labels = list(range(len(flat)))
+  in_labels = [frozenset() if i < 0 else frozenset([i]) for i in
+               leaf_labels + _labels_of(layout, state, params_def)
+               + leaf_labels]
+  outs = _reads(closed.jaxpr, in_labels)
+  updates_shape, new_state = jax.eval_shape(
+      lambda g, s, p: tx.update(g, s, p), abstract, state, abstract)
+  want = leaf_labels + _labels_of(layout, new_state, params_def)
+  for out, own in zip(outs, want):
+    foreign = sorted(out - {own})
+    if foreign:
+      what = (f"its output for leaf {paths[own]}" if own >= 0 else
+              "a state entry shared by all leaves (such as a step count)")
+      raise ValueError(
+          f"leafwise: the transformation couples leaves: {what} reads leaf "
+          f"{paths[foreign[0]]}. Run one leaf at a time, it would see only "
+          "its own leaf. Keep transformations that combine leaves (optax."
+          "clip_by_global_norm, Prodigy's estimator) outside leafwise(...)")
+  del updates_shape
+
+
 def leafwise(tx: optax.GradientTransformation) -> LeafwiseTransformation:
   """Runs ``tx`` on one leaf at a time, so its scratch is bounded by one leaf.
 
   For every leaf ``i`` of the params (in ``jax.tree.leaves`` order)::
 
-    state_i      = tx.init(params_i)
     u_i, state_i = tx.update(g_i, state_i, params_i, **extra_args)
 
   each update in its own ``lax.cond`` island, ordered after the previous
-  leaf's (see the module docstring). With ``tx`` elementwise or per-leaf the
-  updates are those of ``tx`` on the whole tree (bit for bit, but for the XLA
-  rewrite the module docstring describes); extra args (``d_ratio``,
-  ``value``, ...) reach every leaf's update unchanged.
+  leaf's (see the module docstring), with ``state_i`` leaf ``i``'s cut of
+  ``tx``'s state. With ``tx`` elementwise or per-leaf the updates are those
+  of ``tx`` on the whole tree (bit for bit, but for the XLA rewrite the
+  module docstring describes); extra args (``d_ratio``, ``value``, ...) reach
+  every leaf's update unchanged.
 
   Chain inside, not outside: ``kahan`` runs its own per-leaf work in the
   islands only when the ``LeafwiseTransformation`` is its direct inner
@@ -189,15 +321,21 @@ def leafwise(tx: optax.GradientTransformation) -> LeafwiseTransformation:
   Args:
     tx: an elementwise or per-leaf transformation (Adam, Adafactor's factored
       moment, block-RMS clipping, StableAdamW), not one that couples leaves
-      (global-norm clipping, Prodigy's estimator).
+      (global-norm clipping, Prodigy's estimator): ``init`` refuses those.
 
   Returns:
-    A ``LeafwiseTransformation`` whose state is ``LeafwiseState``.
+    A ``LeafwiseTransformation`` whose state is ``tx``'s state.
+
+  Raises:
+    ValueError: at ``init``, when ``tx.update`` of one leaf reads another.
 
   Example:
-    >>> tx = kahan(leafwise(optax.adamw(1e-4)))
+    >>> import optax
+    >>> import optax_kahan as ok
+    >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+    >>> tx = ok.kahan(ok.leafwise(optax.adamw(1e-4)))
     >>> state = tx.init(params)
-    >>> updates, state = tx.update(grads, state, params)
+    >>> updates, state = tx.update(params, state, params)
     >>> params = optax.apply_updates(params, updates)
 
   References:
@@ -206,19 +344,24 @@ def leafwise(tx: optax.GradientTransformation) -> LeafwiseTransformation:
   tx = optax.with_extra_args_support(tx)
 
   def init_fn(params):
-    return LeafwiseState(tuple(tx.init(p) for p in jax.tree.leaves(params)))
+    state = tx.init(params)
+    _check_per_leaf(tx, _layout(tx), params, state)
+    return state
 
-  def prepare_fn(grads, state, xs, decode, **extra_args):
+  def prepare_fn(grads, state, xs, decode, params_def, **extra_args):
     del xs, decode  # no first pass
-    if len(grads) != len(state.states):
-      raise ValueError(
-          f"leafwise: the updates have {len(grads)} leaves but the state was "
-          f"initialised for {len(state.states)}")
+    layout = _layout(tx)
 
     def leaf_update(g, s, x):
       return tx.update(g, s, x, **extra_args)
 
-    return LeafwisePlan(leaf_update, list(state.states),
-                        lambda states: LeafwiseState(tuple(states)))
+    try:
+      states = _split(layout, state, params_def)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          f"leafwise: the state does not match the updates' tree ({e}); "
+          "initialise it with init on params of the same structure") from e
+    return LeafwisePlan(leaf_update, states,
+                        lambda states: _merge(layout, states, params_def))
 
   return LeafwiseTransformation(init_fn, prepare_fn)

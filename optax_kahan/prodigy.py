@@ -49,6 +49,7 @@ References:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple, Optional, Union
 
 import chex
@@ -60,7 +61,7 @@ from optax_kahan.leafwise import for_each_leaf
 from optax_kahan.leafwise import identity_decode
 from optax_kahan.leafwise import LeafwisePlan
 from optax_kahan.leafwise import LeafwiseTransformation
-from optax_kahan.second_moment import check_positive
+from optax_kahan import validation
 
 
 class ScaleByProdigyState(NamedTuple):
@@ -97,18 +98,42 @@ def _explicit_axes(x: Any) -> tuple[str, ...]:
 
 
 def _slice(x: jax.Array, slice_p: int) -> jax.Array:
-  """Every ``slice_p``-th entry of the flattened ``x``.
+  """Every ``slice_p``-th entry of the flattened ``x``; ``x`` itself for 1.
 
-  Sharded over Explicit mesh axes, JAX's type rules refuse the strided slice
+  With ``slice_p = 1`` nothing is flattened: the statistics keep the leaf's
+  shape and sharding (a reshape of a leaf sharded on a non-leading axis is
+  refused under Explicit sharding). Sharded over Explicit mesh axes, JAX's type rules refuse the strided slice
   unless its length divides evenly; the slice is then left to the SPMD
   partitioner (which exchanges only the entries near shard boundaries) and
   the 1/slice_p result is replicated.
   """
-  if slice_p > 1 and _explicit_axes(x):
+  if slice_p == 1:
+    return x
+  if _explicit_axes(x):
     return jax.sharding.auto_axes(
         lambda y: jnp.reshape(y, (-1,))[::slice_p],
         out_sharding=jax.P())(x)
   return jnp.reshape(x, (-1,))[::slice_p]
+
+
+def _warn_if_narrow(params: Any) -> None:
+  """Warns when Prodigy would update bfloat16 (or float16) weights directly.
+
+  The first steps are ``d0 = 1e-6`` times the learning rate, far below half
+  an ulp of a bf16 weight (about ``2**-9 |w|``): the weights do not move,
+  ``<g, x0 - x>`` stays 0 and ``d`` never leaves ``d0``, without an error.
+  Inside ``kahan`` the estimator sees float32 weights and this never fires.
+  """
+  narrow = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(params)
+                   if jnp.issubdtype(x.dtype, jnp.floating)
+                   and jnp.finfo(x.dtype).bits < 32})
+  if narrow:
+    warnings.warn(
+        f"scale_by_prodigy on {', '.join(narrow)} params: its first steps "
+        "(d0 times the learning rate) are below half an ulp of these weights, "
+        "so they do not move and d stays at d0 (the run stalls). Wrap the "
+        "optimizer in optax_kahan.kahan(...), which gives it float32 weights",
+        stacklevel=4)
 
 
 def _scalar_dtype(params: Any) -> jnp.dtype:
@@ -166,12 +191,13 @@ def scale_by_prodigy(
   References:
     Mishchenko & Defazio, 2024; prodigyopt 1.1.2.
   """
-  check_positive("d0", d0)
-  check_positive("d_coef", d_coef)
-  check_positive("growth_rate", growth_rate)
-  check_positive("weight_decay", weight_decay, allow_zero=True)
+  validation.check_positive("d0", d0)
+  validation.check_positive("d_coef", d_coef)
+  validation.check_positive("growth_rate", growth_rate)
+  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
   if not callable(learning_rate):
-    check_positive("learning_rate", learning_rate, allow_zero=True)
+    validation.check_positive("learning_rate", learning_rate,
+                              allow_zero=True)
   if isinstance(b3, (int, float)) and not 0.0 <= b3 < 1.0:
     raise ValueError(f"b3 must be in [0, 1), got {b3}")
   if not isinstance(slice_p, int) or isinstance(slice_p, bool) or slice_p < 1:
@@ -182,6 +208,10 @@ def scale_by_prodigy(
   preconditioner = optax.with_extra_args_support(preconditioner)
 
   def init_fn(params):
+    if validation.is_abstract(params):
+      return jax.eval_shape(init_fn, params)
+    validation.check_real("scale_by_prodigy", params)
+    _warn_if_narrow(params)
     dtype = _scalar_dtype(params)
     d = lambda: jnp.full([], d0, dtype)  # distinct buffers, so all donate
     return ScaleByProdigyState(
@@ -265,13 +295,14 @@ def scale_by_prodigy(
     scales = {"d_ratio": state.d_prev / d, "d_growth": d_new / d}
     return scales, step, finish
 
-  def check_params(params):
+  def check_params(params, state):
     if params is None:
       raise ValueError("scale_by_prodigy needs params: "
                        "tx.update(grads, state, params)")
+    validation.check_state("scale_by_prodigy", state, ScaleByProdigyState)
 
   def update_fn(updates, state, params=None, **extra_args):
-    check_params(params)
+    check_params(params, state)
     grads, treedef = jax.tree.flatten(updates)
     scales, step, finish = first_pass(
         grads, state, treedef.flatten_up_to(params), identity_decode)
@@ -279,11 +310,11 @@ def scale_by_prodigy(
         updates, state.preconditioner_state, params, **scales, **extra_args)
     return jax.tree.map(step, direction, params), finish(pstate)
 
-  def prepare_fn(grads, state, xs, decode, **extra_args):
-    check_params(xs)
+  def prepare_fn(grads, state, xs, decode, treedef, **extra_args):
+    check_params(xs, state)
     scales, step, finish = first_pass(grads, state, xs, decode)
     plan = preconditioner.prepare(grads, state.preconditioner_state, xs,
-                                  decode, **scales, **extra_args)
+                                  decode, treedef, **scales, **extra_args)
 
     def leaf_update(g, s, x):
       u, s = plan.leaf_update(g, s, x)

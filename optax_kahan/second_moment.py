@@ -31,7 +31,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple, Optional
 
 import chex
@@ -39,27 +38,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_kahan import validation
+
 
 class ScaleBySecondMomentState(NamedTuple):
   """State of ``scale_by_second_moment``; ``mu`` is None when ``b1 == 0``."""
   count: chex.Array  # int32 scalar
   mu: Optional[optax.Updates]
   nu: optax.Updates
-
-
-def check_beta(name: str, value: Any) -> None:
-  """Raises ValueError unless a Python-number beta lies in [0, 1)."""
-  if isinstance(value, (int, float)) and not 0.0 <= value < 1.0:
-    raise ValueError(f"{name} must be in [0, 1), got {value}")
-
-
-def check_positive(name: str, value: Any, allow_zero: bool = False) -> None:
-  """Raises ValueError naming ``name`` unless a Python number is > 0 (>= 0)."""
-  if not isinstance(value, (int, float)):
-    return
-  if value < 0 or (value == 0 and not allow_zero) or math.isnan(value):
-    bound = ">= 0" if allow_zero else "> 0"
-    raise ValueError(f"{name} must be {bound}, got {value}")
 
 
 def rescale_moment(moment: jax.Array, decay: chex.Numeric, scale: chex.Numeric,
@@ -78,12 +64,19 @@ def first_moment(mu: Optional[optax.Updates], g32: optax.Updates,
 
   With a first moment: ``m <- b1 rho m + (1 - b1) g`` is also the numerator.
   Without (``mu is None``, b1 = 0): the numerator is ``d_growth * g``, as
-  prodigyopt's ``d_{k+1} g`` in the rescaled form.
+  prodigyopt's ``d_{k+1} g`` in the rescaled form. A ``b1`` that is an array
+  (``optax.inject_hyperparams``) keeps the buffer, and the numerator follows
+  the reference for every value: ``d_growth * g`` wherever ``b1 == 0``.
   """
   if mu is None:
     return None, jax.tree.map(lambda g: d_growth * g, g32)
   mu = jax.tree.map(lambda m, g: rescale_moment(m, b1, d_ratio, g), mu, g32)
-  return mu, mu
+  if isinstance(b1, (int, float)):
+    return mu, mu
+  num = jax.tree.map(
+      lambda m, g: jnp.where(b1 == 0, d_growth * g, m.astype(jnp.float32)),
+      mu, g32)
+  return mu, num
 
 
 def scale_by_second_moment(
@@ -125,11 +118,12 @@ def scale_by_second_moment(
   References:
     Kingma & Ba, 2015; Mishchenko & Defazio, 2024 (Prodigy).
   """
-  check_beta("b1", b1)
-  check_beta("b2", b2)
-  use_mu = not (isinstance(b1, (int, float)) and b1 == 0)
+  validation.check_beta("b1", b1)
+  validation.check_beta("b2", b2)
 
   def init_fn(params):
+    validation.check_real("scale_by_second_moment", params)
+    use_mu = not validation.is_static_zero(b1)
     mu = optax.tree.zeros_like(params) if use_mu else None
     return ScaleBySecondMomentState(
         jnp.zeros([], jnp.int32), mu, optax.tree.zeros_like(params))
@@ -137,6 +131,8 @@ def scale_by_second_moment(
   def update_fn(updates, state, params=None, *, d_ratio=1.0, d_growth=1.0,
                 **extra_args):
     del params, extra_args
+    validation.check_state("scale_by_second_moment", state,
+                           ScaleBySecondMomentState)
     count = optax.safe_increment(state.count)
     g32 = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
     nu = jax.tree.map(lambda v, g: rescale_moment(v, b2, d_ratio**2, g * g),
@@ -149,7 +145,8 @@ def scale_by_second_moment(
     r1, r2 = 1.0, 1.0
     if bias_correction:
       t = count.astype(jnp.float32)
-      r1 = 1 / (1 - jnp.asarray(b1, jnp.float32)**t) if use_mu else 1.0
+      if mu is not None:
+        r1 = 1 / (1 - jnp.asarray(b1, jnp.float32)**t)
       r2 = 1 / (1 - jnp.asarray(b2, jnp.float32)**t)
 
     def precondition(g, m, v):

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan.second_moment import check_positive
+from optax_kahan import validation
 from optax_kahan.second_moment import ScaleBySecondMomentState
 from optax_kahan.second_moment import scale_by_second_moment
 
@@ -66,16 +66,19 @@ def scale_by_stable_adamw(
   References:
     Wortsman et al., 2023, Algorithm 2.
   """
-  check_positive("eps", eps)
-  check_positive("weight_decay", weight_decay, allow_zero=True)
+  validation.check_positive("eps", eps)
+  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
   adam = scale_by_second_moment(b1, b2, eps, bias_correction=True)
 
   def init_fn(params):
+    validation.check_real("scale_by_stable_adamw", params)
     return ScaleByStableAdamWState(adam.init(params))
 
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError("scale_by_stable_adamw needs params (weight decay)")
+    validation.check_state("scale_by_stable_adamw", state,
+                           ScaleByStableAdamWState)
     direction, moments = adam.update(updates, state.moments, params)
     # A reciprocal multiplied in, as in scale_by_second_moment.
     r2 = 1 / (1 - jnp.asarray(b2, jnp.float32)**moments.count.astype(

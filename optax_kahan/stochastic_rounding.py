@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from optax_kahan import validation
 from optax_kahan.kahan import _map, _upcast, landing_delta, needs_residual
 
 
@@ -117,6 +118,8 @@ def stochastic_rounding(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    if validation.is_abstract(params):
+      return jax.eval_shape(init_fn, params)
     _map(lambda path, p: needs_residual(p, path), params)
     return StochasticRoundingState(
         jnp.zeros([], jnp.int32), inner.init(_upcast(params)))

@@ -1,6 +1,7 @@
 """The named optimizers under optax's conventions, and their state memory."""
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -203,3 +204,23 @@ def test_params_and_state_can_be_donated(name, wrap):
     params, state = step(params, state)
   assert all(bool(jnp.all(jnp.isfinite(p.astype(jnp.float32))))
              for p in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_complex_params_are_refused(name):
+  tx = OPTIMIZERS[name]()
+  with pytest.raises(TypeError, match=r"\['z'\] is complex64"):
+    tx.init({"x": jnp.ones(2), "z": jnp.ones(2, jnp.complex64)})
+
+
+def test_bf16_hyperparameters_warn():
+  tx = optax.inject_hyperparams(ok.prodigy, static_args=("slice_p",))()
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  with pytest.warns(UserWarning, match="hyperparam_dtype=jnp.float32"):
+    tx.update(params, tx.init(params), params)
+
+
+def test_every_argument_is_documented():
+  for fn in (ok.prodigy, ok.prodigy_factored, ok.stable_adamw):
+    for arg in inspect.signature(fn).parameters:
+      assert f"    {arg}:" in fn.__doc__, (fn.__name__, arg)

@@ -6,6 +6,8 @@ import pytest
 
 from benchmarks import gpu_step, memory, quality, report, speed, step_memory
 
+pytestmark = pytest.mark.slow  # minutes: run with pytest -m slow
+
 
 def test_memory_quick_has_every_row():
   results = memory.main(["--quick"])

@@ -96,3 +96,19 @@ def test_bad_input():
     ok.split_float32(jnp.ones(3, jnp.bfloat16))
   with pytest.raises(TypeError, match="uint16"):
     ok.merge_float32(jnp.ones(3, jnp.bfloat16), jnp.zeros(3, jnp.int32))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "truncate"])
+def test_gradients_go_straight_through_hi(rounding):
+  w32 = jnp.linspace(-2.0, 2.0, 7, dtype=jnp.float32)
+  loss = lambda hi: jnp.sum(jnp.sin(hi.astype(jnp.float32)))
+  got = jax.grad(lambda w: loss(ok.split_float32(w, rounding)[0]))(w32)
+  hi, lo = ok.split_float32(w32, rounding)
+  want = jax.grad(loss)(hi).astype(jnp.float32)
+  assert got.dtype == jnp.float32
+  np.testing.assert_array_equal(got, want)
+  assert bool(jnp.all(got != 0))
+  through_merge = jax.grad(
+      lambda h: jnp.sum(ok.merge_float32(h, lo, rounding)))(hi)
+  np.testing.assert_array_equal(through_merge.astype(jnp.float32),
+                                np.ones(7, np.float32))

@@ -130,7 +130,7 @@ def test_restored_state_that_does_not_match_params(tmp_path):
   state = ckptr.restore(tmp_path / "s", jax.eval_shape(tx.init, params))
   other = {"w": params["w"], "b": params["b"],
            "extra": jnp.ones(3, jnp.bfloat16)}
-  with pytest.raises(ValueError, match="tree structure"):
+  with pytest.raises(ValueError, match="do not match the params. tree"):
     tx.update(other, state, other)
   wider = {"w": jnp.ones((4, 9), jnp.bfloat16), "b": params["b"]}
   with pytest.raises(ValueError, match=r"\['w'\] must be uint16\[4, 9\]"):
@@ -199,3 +199,36 @@ def test_params_state_sharding_mismatch():
   assert auto["residuals_only_equal"], r
   assert auto["kinds"] == ["pinned_host", "pinned_host"], r
   assert auto["all_max_rel"] < 1e-6, r
+
+
+RESTORED_ON_DEVICE = r'''
+import tempfile
+import orbax.checkpoint as ocp
+params = jax.device_put({"w": jnp.ones((4, 4), jnp.bfloat16)}, jax.devices()[0])
+tx = ok.kahan(optax.adamw(1e-3))
+step = jax.jit(lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(
+    *tx.update(p, s, p)), donate_argnums=(0, 1))
+params, state = step(params, tx.init(params))
+ckpt = ocp.StandardCheckpointer()
+path = tempfile.mkdtemp() + "/c"
+ckpt.save(path, {"p": params, "s": state})
+ckpt.wait_until_finished()
+# No sharding in the target: orbax puts the residuals in device memory.
+restored = ckpt.restore(path, jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), {"p": params, "s": state}))
+kind = ok.kahan_residuals(restored["s"])["w"].sharding.memory_kind
+try:
+  step(restored["p"], restored["s"])
+  error = None
+except ValueError as e:
+  error = str(e)
+emit({"kind": kind, "error": error})
+'''
+
+
+def test_residuals_restored_in_device_memory_raise_before_the_step():
+  # Before, the donated step aborted the process (rc 134) inside the runtime.
+  out = run(RESTORED_ON_DEVICE, devices=1)
+  assert out["kind"] == "device"
+  assert out["error"] and "['w'] is in device memory" in out["error"]
+  assert "kahan_replace_residuals" in out["error"]

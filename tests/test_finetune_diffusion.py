@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import example as example_module
+
+pytestmark = pytest.mark.slow  # minutes: run with pytest -m slow
 
 
 def test_finetune_diffusion_smoke(tmp_path):

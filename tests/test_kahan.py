@@ -279,7 +279,7 @@ def test_bad_input_errors():
   with pytest.raises(ValueError, match="rounding"):
     ok.kahan(optax.sgd(1e-3), rounding="even")
   params = {"a": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2, jnp.bfloat16)}
-  with pytest.raises(ValueError, match="tree structure"):
+  with pytest.raises(ValueError, match="do not match the params. tree"):
     ok.kahan_apply_updates(params, params, {"a": jnp.zeros(2, jnp.uint16)})
   with pytest.raises(ValueError, match=r"\['b'\] must be uint16\[2\]"):
     ok.kahan_apply_updates(params, params, {"a": jnp.zeros(2, jnp.uint16),
@@ -329,3 +329,67 @@ def test_init_from_exact_float32_weights():
   np.testing.assert_array_equal(state.inner_state.params0["w"], w32["w"])
   with pytest.raises(ValueError, match="uint16"):
     tx.init(params, {"w": jnp.zeros(3, jnp.uint16)})
+
+
+def test_uncommitted_params_warn_and_committed_params_compile_once():
+  # Offloaded residuals are committed; a step whose arguments mix committed
+  # and uncommitted arrays is lowered again once its (committed) outputs come
+  # back. kahan commits its whole state where committed params live.
+  tx = ok.kahan(optax.adamw(1e-3))
+  raw = {"w": jnp.ones((4, 4), jnp.bfloat16), "b": jnp.zeros(4, jnp.bfloat16)}
+  with pytest.warns(UserWarning, match="not committed"):
+    tx.init(raw)
+  params = jax.device_put(raw, jax.devices()[0])
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    updates, state = tx.update(params, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for _ in range(3):
+    params, state = step(params, state)
+  assert step._cache_size() == 1
+
+
+def test_update_errors_name_the_mistake():
+  tx = ok.kahan(optax.adamw(1e-3))
+  params = {"w": jnp.ones((2, 2), jnp.bfloat16)}
+  state = tx.init(params)
+  with pytest.raises(TypeError, match="expected KahanState.*whole state"):
+    tx.update(params, state.inner_state, params)
+  updates, state = tx.update(params, state, params)
+  by_hand = jax.tree.map(lambda p, u: p + u, params, updates)  # float32 now
+  with pytest.raises(ValueError, match=r"\['w'\].*optax.apply_updates"):
+    tx.update(params, state, by_hand)
+
+
+def test_residual_tree_mismatch_is_short_and_names_the_path():
+  layer = {f"dense_{i}": {"kernel": jnp.ones((8, 8), jnp.bfloat16),
+                          "bias": jnp.ones(8, jnp.bfloat16)}
+           for i in range(20)}
+  residuals = ok.kahan_init({"params": layer}, offload=False)
+  params = {"params": {**layer, "dense_7": {"kernel": layer["dense_7"][
+      "kernel"]}}}
+  with pytest.raises(ValueError) as info:
+    ok.kahan_to_float32(params, residuals)
+  message = str(info.value)
+  assert "['params']['dense_7']" in message, message
+  assert "['bias']" in message and len(message) < 400, message
+
+
+def test_params_container_change_is_named_in_one_line():
+  # A FrozenDict tree that became a dict (a Flax upgrade, a checkpoint
+  # load): the error names the path and both container types, briefly.
+  from flax.core import FrozenDict  # pylint: disable=g-import-not-at-top
+  layer = {f"dense_{i}": {"kernel": jnp.ones((8, 8), jnp.bfloat16),
+                          "bias": jnp.ones(8, jnp.bfloat16)}
+           for i in range(30)}
+  tx = ok.kahan(optax.adamw(1e-3), offload=False)
+  state = tx.init(FrozenDict({"params": layer}))
+  params = {"params": layer}
+  with pytest.raises(ValueError) as info:
+    tx.update(params, state, params)
+  message = str(info.value)
+  assert "FrozenDict" in message and "dict" in message, message
+  assert "<root>" in message and len(message) < 300, message

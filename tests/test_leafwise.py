@@ -194,7 +194,9 @@ def test_leafwise_passes_extra_args_and_works_without_params():
     np.testing.assert_array_equal(updates[n], 3.0 * params[n])
   sgd = ok.leafwise(optax.sgd(0.5, momentum=0.9))
   updates, state = sgd.update(params, sgd.init(params))
-  assert len(state.states) == len(SHAPES)
+  # The state is sgd's own, laid out as sgd lays it out.
+  plain = optax.sgd(0.5, momentum=0.9)
+  assert jax.tree.structure(state) == jax.tree.structure(plain.init(params))
   np.testing.assert_array_equal(updates["a"], -0.5 * params["a"])
 
 
@@ -221,14 +223,34 @@ def test_kahan_leafwise_handles_float32_leaves_and_host_residuals():
 def test_leafwise_errors_name_the_problem():
   tx = ok.leafwise(optax.adam(1e-3))
   state = tx.init({"a": jnp.ones(3)})
-  with pytest.raises(ValueError, match="2 leaves but the state was "
-                     "initialised for 1"):
+  with pytest.raises(ValueError, match="state does not match"):
     tx.update({"a": jnp.ones(3), "b": jnp.ones(2)}, state)
   with pytest.raises(ValueError, match="decouple=True"):
     ok.prodigy(leafwise=True, decouple=False)
   with pytest.raises(ValueError, match="needs params"):
     p = ok.prodigy(leafwise=True)
     p.update({"a": jnp.ones(3)}, p.init({"a": jnp.ones(3)}))
+
+
+def test_leafwise_refuses_transformations_that_couple_leaves():
+  params = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
+  for tx in (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+             optax.chain(optax.adam(1e-3), optax.clip_by_global_norm(1.0))):
+    with pytest.raises(ValueError, match="couples leaves.*clip_by_global_norm"):
+      ok.leafwise(tx).init(params)
+  # Per-leaf clipping is fine.
+  ok.leafwise(optax.chain(optax.clip_by_block_rms(1.0),
+                          optax.adam(1e-3))).init(params)
+
+
+def test_leafwise_state_is_the_inner_state_and_maps_params():
+  params = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
+  for inner in (optax.adamw(1e-3), ok.scale_by_factored_second_moment()):
+    tx = ok.leafwise(inner)
+    state = tx.init(params)
+    assert jax.tree.structure(state) == jax.tree.structure(inner.init(params))
+    mapped = optax.tree.map_params(tx, lambda v: v, state)
+    assert jax.tree.structure(mapped) == jax.tree.structure(state)
 
 
 SHARDED = r'''
@@ -259,6 +281,7 @@ emit(report)
 '''
 
 
+@pytest.mark.slow
 def test_leafwise_under_fsdp_sharding_matches_the_single_device_run():
   """8 fake devices, Explicit and Auto FSDP axes: kahan(leafwise(adamw)) is
   bitwise its single-device run; kahan(prodigy_factored(leafwise=True)) is

@@ -196,7 +196,8 @@ def test_scalars_are_float32_state_follows_params():
   state = ok.prodigy().init(params)
   assert state.d.dtype == state.numerator.dtype == jnp.float32
   assert state.s["w"].dtype == jnp.bfloat16
-  assert state.s["w"].shape == state.params0["w"].shape == (33,)
+  # slice_p = 1: no flattening, the leaf's own shape (and sharding).
+  assert state.s["w"].shape == state.params0["w"].shape == (11, 3)
   sliced = ok.prodigy(slice_p=11).init(params)  # every 11th of 33 entries
   assert sliced.s["w"].shape == sliced.params0["w"].shape == (3,)
 
@@ -222,3 +223,44 @@ def test_x64_scalars_follow_float64_params():
     assert u["w"].dtype == jnp.float64
     params32 = {"w": jnp.ones(4, jnp.float32)}
     assert tx.init(params32).d.dtype == jnp.float32
+
+
+def test_b1_zero_survives_inject_hyperparams():
+  # An injected b1 is an array: the reference's b1 = 0 numerator
+  # (d_{k+1} g, not the moment) must hold whatever b1's type.
+  params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)}
+  fixed = ok.prodigy(b1=0.0, d0=1e-3)
+  injected = optax.inject_hyperparams(
+      ok.prodigy, static_args=("slice_p",),
+      hyperparam_dtype=jnp.float32)(b1=0.0, d0=1e-3)
+  # Eager init sees a concrete 0: no first-moment buffer, as with a float.
+  assert injected.init(params).inner_state.preconditioner_state.mu is None
+  for init in (injected.init, jax.jit(injected.init)):  # jit: a buffer
+    sa, sb = fixed.init(params), init(params)
+    pa = pb = params
+    for i in range(7):
+      g = {"w": jnp.cos(pa["w"] * (i + 1))}
+      ua, sa = fixed.update(g, sa, pa)
+      ub, sb = jax.jit(injected.update)(g, sb, pb)
+      np.testing.assert_allclose(ub["w"], ua["w"], rtol=1e-5, atol=1e-12)
+      pa = pb = optax.apply_updates(pa, ua)
+
+
+def test_plain_bf16_params_warn_of_the_stall_and_kahan_does_not():
+  params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+  grads = {"w": jnp.full((4, 4), 0.1, jnp.bfloat16)}
+  with pytest.warns(UserWarning, match="stalls"):
+    tx = ok.prodigy_factored()
+    state = tx.init(params)
+  # What the warning says: 30 steps, the weights stay and d stays at d0.
+  p = params
+  for _ in range(30):
+    updates, state = tx.update(grads, state, p)
+    p = optax.apply_updates(p, updates)
+  np.testing.assert_array_equal(np.asarray(p["w"], np.float32), 1.0)
+  assert float(ok.prodigy_d(state)) == pytest.approx(1e-6)
+  import warnings  # pylint: disable=g-import-not-at-top
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    ok.kahan(ok.prodigy_factored()).init(
+        jax.device_put(params, jax.devices()[0]))

@@ -47,9 +47,9 @@ for name in ("adamw", "prodigy"):
       else:
         info["s"] = {k: [list(v.shape), sp(v)]
                      for k, v in inner.s.items()}
-        info["row"] = {k: sp(m.row) for k, m in
-                       inner.preconditioner_state[0].nu.items()
-                       if m.row is not None}
+        info["row"] = {k: sp(r) for k, r in
+                       inner.preconditioner_state[0].row.items()
+                       if r.shape != (1,)}
       info["moved"] = bool(np.any(exact(params, state)["w1"] != host_params()["w1"]))
       report[f"{name}/{mode}"] = info
       np.savez(f"{out}/{name}_{mode}.npz", **exact(params, state))

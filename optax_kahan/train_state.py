@@ -1,0 +1,80 @@
+"""A Flax ``TrainState`` of bf16 params that starts from float32 weights, in one call.
+
+``TrainState.create(apply_fn=..., params=params, tx=tx)`` calls
+``tx.init(params)``: for bf16 params made from a float32 checkpoint that
+starts the residuals at zero, and the low 16 bits of every pretrained weight
+are lost. ``kahan_train_state`` splits the float32 weights instead::
+
+    params, residuals = kahan_from_float32(params_f32)
+    opt_state         = tx.init(params, residuals)   # kahan's init, exact
+
+so the exact float32 weights survive, and the inner optimizer (Prodigy's
+``x0``, say) starts from them too.
+
+References:
+  Flax, ``flax.training.train_state.TrainState``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import optax
+from flax.training import train_state
+
+from optax_kahan.bits import Rounding
+from optax_kahan.kahan import kahan_from_float32
+
+
+def kahan_train_state(
+    params_f32: Any,
+    tx: optax.GradientTransformation,
+    *,
+    apply_fn: Callable[..., Any],
+    rounding: Rounding = "nearest",
+    offload: bool = True,
+    state_class: Optional[type[train_state.TrainState]] = None,
+    **kwargs: Any,
+) -> train_state.TrainState:
+  """``TrainState`` with bf16 params, ``kahan`` state from exact float32 weights.
+
+  Args:
+    params_f32: the pretrained float32 weights (float64 leaves are kept as
+      they are, with no residual).
+    tx: a ``kahan(...)`` transformation (its ``init`` takes the residuals).
+    apply_fn: the model's apply function, as in ``TrainState.create``.
+    rounding: the ``rounding`` that ``tx`` was made with.
+    offload: the ``offload`` that ``tx`` was made with.
+    state_class: a ``TrainState`` subclass (default ``TrainState``).
+    **kwargs: further fields of ``state_class``.
+
+  Returns:
+    ``state_class(step=0, apply_fn, params=bf16 params, tx,
+    opt_state=tx.init(params, residuals), **kwargs)``.
+
+  Raises:
+    TypeError: if ``tx.init`` does not take residuals (``tx`` is not
+      ``kahan(...)``; wrap the whole pipeline in ``kahan``).
+
+  Example:
+    >>> import flax.linen as nn
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_kahan as ok
+    >>> model = nn.Dense(3)
+    >>> params_f32 = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+    >>> state = ok.kahan_train_state(params_f32, ok.kahan(optax.adamw(1e-5)),
+    ...                              apply_fn=model.apply)
+  """
+  params, residuals = kahan_from_float32(params_f32, rounding=rounding,
+                                         offload=offload)
+  try:
+    opt_state = tx.init(params, residuals)
+  except TypeError as e:
+    raise TypeError(
+        "kahan_train_state needs tx = kahan(...), whose init takes the "
+        f"residuals ({e}); put the whole pipeline inside kahan") from e
+  state_class = state_class or train_state.TrainState
+  return state_class(step=0, apply_fn=apply_fn, params=params, tx=tx,
+                     opt_state=opt_state, **kwargs)

@@ -1,0 +1,156 @@
+"""Argument and tree checks shared by the transformations: errors that name the culprit.
+
+Every check raises (or warns) with the name of the argument or the path of the
+leaf at fault, so that a mistake in a 1,000-leaf model is found in one read:
+
+* ``check_beta``, ``check_positive``: Python-number hyperparameters in range.
+* ``warn_low_precision_hyperparams``: ``optax.inject_hyperparams`` casts
+  float hyperparameters to the params' dtype unless ``hyperparam_dtype`` is
+  given; on bfloat16 params 0.999 becomes 1.0 and Adam's second moment stops
+  moving (a run diverges without a word), so this warns.
+* ``check_real``: the transformations of this package implement real-valued
+  math; complex leaves are refused rather than silently truncated.
+* ``check_state``: the state handed to ``update`` is the one ``init`` made.
+* ``tree_mismatch``: the first path at which two trees differ, with the node
+  types there (instead of two full tree dumps).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+
+def check_beta(name: str, value: Any) -> None:
+  """Raises ValueError unless a Python-number beta lies in [0, 1)."""
+  if isinstance(value, (int, float)) and not 0.0 <= value < 1.0:
+    raise ValueError(f"{name} must be in [0, 1), got {value}")
+
+
+def check_positive(name: str, value: Any, allow_zero: bool = False) -> None:
+  """Raises ValueError naming ``name`` unless a Python number is > 0 (>= 0)."""
+  if not isinstance(value, (int, float)):
+    return
+  if value < 0 or (value == 0 and not allow_zero) or math.isnan(value):
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def warn_low_precision_hyperparams(where: str, **hyperparams: Any) -> None:
+  """Warns for each hyperparameter that arrives as an array narrower than float32.
+
+  That happens under ``optax.inject_hyperparams`` without
+  ``hyperparam_dtype=jnp.float32`` on bfloat16 or float16 params: the
+  hyperparameters are cast to the params' dtype, and in bfloat16
+  ``0.999 == 1.0``, ``0.9999 == 1.0``, ``1e-8`` keeps three digits.
+  """
+  for name, value in hyperparams.items():
+    dtype = getattr(value, "dtype", None)
+    if (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+        and jnp.finfo(dtype).bits < 32):
+      warnings.warn(
+          f"{where}: hyperparameter {name} is {jnp.dtype(dtype).name}, which "
+          "rounds it (in bfloat16 0.999 is 1.0 and the second moment stops "
+          "moving); with optax.inject_hyperparams pass "
+          "hyperparam_dtype=jnp.float32", stacklevel=3)
+
+
+def check_real(where: str, params: Any) -> None:
+  """Raises TypeError naming the first complex leaf of ``params``."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+      raise TypeError(
+          f"{where}: leaf {jax.tree_util.keystr(path) or '<root>'} is "
+          f"{jnp.dtype(dtype).name}; this transformation implements "
+          "real-valued math only. Split complex params into real and "
+          "imaginary parts, or use an optax optimizer that supports them")
+
+
+def check_state(where: str, state: Any, state_type: type) -> None:
+  """Raises TypeError unless ``state`` is a ``state_type`` (what init made)."""
+  if not isinstance(state, state_type):
+    raise TypeError(
+        f"{where}.update got a state of type {type(state).__name__}, expected "
+        f"{state_type.__name__}: pass the whole state returned by "
+        f"{where}.init (or by the previous update), not a part of it")
+
+
+def tree_mismatch(a: Any, b: Any, *, names: tuple[str, str] = ("a", "b"),
+                  is_leaf: Optional[Callable[[Any], bool]] = None
+                  ) -> Optional[str]:
+  """Where two trees first differ, in one line, or None if they match.
+
+  Names the first differing key path, and what each tree has there: the node
+  type and its keys (a ``FrozenDict`` against a ``dict``, a missing key), or a
+  leaf against a node.
+  """
+
+  def describe(node) -> str:
+    children, _ = jax.tree_util.tree_flatten_with_path(
+        node, is_leaf=lambda x: x is not node)
+    if node is None:
+      return "None"
+    if not children:
+      return f"an empty {type(node).__name__}"
+    if len(children) == 1 and not children[0][0]:
+      return f"a leaf ({type(node).__name__})"
+
+    keys = [jax.tree_util.keystr(p) for p, _ in children]
+    shown = ", ".join(keys[:6]) + (", ..." if len(keys) > 6 else "")
+    return f"a {type(node).__name__} with {shown}"
+
+  def walk(x, y, path: str) -> Optional[str]:
+    leaf_x = x is None or (is_leaf is not None and is_leaf(x))
+    leaf_y = y is None or (is_leaf is not None and is_leaf(y))
+    kx = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda n: n is not x)
+    ky = jax.tree_util.tree_flatten_with_path(y, is_leaf=lambda n: n is not y)
+    flat_x = leaf_x or (len(kx[0]) == 1 and not kx[0][0][0])
+    flat_y = leaf_y or (len(ky[0]) == 1 and not ky[0][0][0])
+    if flat_x and flat_y:
+      return None
+    same_type = type(x) is type(y)
+    keys_x = [p for p, _ in kx[0]]
+    keys_y = [p for p, _ in ky[0]]
+    if flat_x or flat_y or not same_type or keys_x != keys_y:
+      return (f"at {path or '<root>'}: {names[0]} has {describe(x)}, "
+              f"{names[1]} has {describe(y)}")
+    for (kp, cx), (_, cy) in zip(kx[0], ky[0]):
+      found = walk(cx, cy, path + jax.tree_util.keystr(kp))
+      if found:
+        return found
+    return None
+
+  return walk(a, b, "")
+
+
+def is_abstract(tree: Any) -> bool:
+  """True when ``tree`` has ``jax.ShapeDtypeStruct`` leaves (shapes only).
+
+  ``init`` functions then return ``jax.eval_shape(init, tree)``: the state's
+  shapes, dtypes and shardings, as optax's own optimizers accept abstract
+  params (for sizing a state or building its shardings before any array
+  exists).
+  """
+  return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def is_static_zero(value: Any) -> bool:
+  """True for a Python 0 or a concrete (not traced) array equal to 0.
+
+  ``optax.inject_hyperparams`` turns a ``b1=0`` into an array; when ``init``
+  runs outside ``jax.jit`` that array is concrete and the first-moment buffer
+  can still be left out.
+  """
+  if isinstance(value, (int, float)):
+    return value == 0
+  if isinstance(value, jax.core.Tracer):
+    return False
+  try:
+    return bool(jnp.all(jnp.asarray(value) == 0))
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return False

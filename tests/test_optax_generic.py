@@ -1,0 +1,159 @@
+"""optax's own generic optimizer tests, imported from the installed wheel.
+
+``optax/contrib/_common_test.py`` checks every contributed optimizer the same
+way: extra arguments and no recompilation, ``tree_map_params``, convergence on
+four small problems (30,000 steps), ``inject_hyperparams``, dtype
+preservation, ``MultiSteps`` and dtype/shape stability under ``lax.cond``. The
+tests are not copied: absl's ``parameterized`` keeps each undecorated test
+function as ``__wrapped__`` of its generated cases, and this module calls it
+with this package's optimizers in place of optax's (by patching the module's
+``_get_opt_factory``, which maps a name to a factory).
+
+Where an assumption does not apply:
+
+* ``kahan(...)`` and ``stochastic_rounding(...)`` return float32 deltas on
+  bf16 params (so that ``optax.apply_updates`` lands exactly; see ``kahan``),
+  so ``test_preserve_dtype`` on bf16 and ``test_state_shape_dtype_shard_
+  stability`` (whose ``lax.cond`` returns the params in place of the updates)
+  are run for the named optimizers only. ``kahan`` also refuses float16
+  params by design.
+* The convergence test's problems are float32: inside ``kahan`` every leaf
+  is then a wide leaf with no residual, so that test checks the wrapper's
+  plumbing, not the bf16 arithmetic (``test_kahan.py`` does that).
+* ``slice_p`` sets the state's shapes, so it cannot be injected, and the
+  ``inject_hyperparams`` test injects every numeric argument of the factory's
+  signature, defaults included. ``b1 = 0`` leaves the first-moment buffer
+  out, which an injected ``b1`` traced by ``jax.jit(init)`` cannot (the step
+  is still the reference's, but the state has one more buffer than the
+  plain optimizer's, which the test compares). It gets the factory with both
+  left out of its signature (fixed at their defaults), as a user passes
+  ``static_args=("slice_p", "b1")``.
+* ``prodigy_factored`` has no first moment and clips each leaf's update to
+  RMS 1: with a constant rate its steps stay about ``d`` long and circle the
+  minimum of optax's tiny problems instead of settling within 3e-2. Its
+  rows run with a cosine decay of the rate (a schedule, which the factory
+  accepts); ``prodigy`` converges with the constant rate.
+"""
+
+from __future__ import annotations
+
+import inspect
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import optax
+from absl.testing import parameterized
+from optax.contrib import _common_test as common
+
+import optax_kahan as ok
+
+FACTORIES = {
+    "prodigy": ok.prodigy,
+    "prodigy_factored": ok.prodigy_factored,
+    "stable_adamw": ok.stable_adamw,
+    "kahan_prodigy_factored":
+        lambda learning_rate=1.0: ok.kahan(ok.prodigy_factored(learning_rate)),
+    "stochastic_rounding_adamw": lambda learning_rate=1e-2: (
+        ok.stochastic_rounding(optax.adamw(learning_rate),
+                               jax.random.key(0))),
+}
+NAMED = ("prodigy", "prodigy_factored", "stable_adamw")
+DECAY = optax.cosine_decay_schedule(1.0, 30_000)
+KWARGS = {"prodigy": {"learning_rate": 1.0},
+          "prodigy_factored": {"learning_rate": DECAY},
+          "stable_adamw": {"learning_rate": 1e-2},
+          "kahan_prodigy_factored": {"learning_rate": DECAY},
+          "stochastic_rounding_adamw": {"learning_rate": 1e-2}}
+
+
+def _static(factory, names=("slice_p", "b1")):
+  """``factory`` with ``names`` out of its signature (for inject tests)."""
+  sig = inspect.signature(factory)
+
+  def wrapped(*args, **kwargs):
+    return factory(*args, **kwargs)
+
+  wrapped.__signature__ = sig.replace(
+      parameters=[p for p in sig.parameters.values() if p.name not in names])
+  return wrapped
+
+
+def _factory(name):
+  return FACTORIES[name] if name in FACTORIES else common._get_opt_factory(
+      name)
+
+
+def _original(test_name):
+  """The undecorated optax test ``test_name`` (absl keeps it as __wrapped__)."""
+  for attr in dir(common.ContribTest):
+    fn = getattr(common.ContribTest, attr)
+    wrapped = getattr(fn, "__wrapped__", None)
+    if wrapped is not None and wrapped.__name__ == test_name:
+      return wrapped
+  raise LookupError(f"optax's ContribTest has no {test_name}")
+
+
+def _case(name, **extra):
+  return dict(opt_name=name, opt_kwargs=KWARGS[name], wrapper_name=None,
+              wrapper_kwargs=None, **extra)
+
+
+class OptaxGenericTest(parameterized.TestCase):
+  """optax's ContribTest bodies, run on this package's optimizers."""
+
+  def run_optax_test(self, test_name, factory=_factory, **kwargs):
+    with mock.patch.object(common, "_get_opt_factory", factory):
+      _original(test_name)(self, **kwargs)
+
+  @parameterized.product(name=sorted(FACTORIES), wrap=[False])
+  def test_optimizers_accept_extra_args(self, name, wrap):
+    self.run_optax_test("test_optimizers_accept_extra_args",
+                        **_case(name, wrap=wrap))
+
+  @parameterized.product(
+      name=sorted(FACTORIES),
+      target=("_setup_parabola", "_setup_rosenbrock",
+              "_setup_matrix_parabola", "_setup_mixed_tensor_target"))
+  def test_optimizers(self, name, target):
+    self.run_optax_test("test_optimizers", **_case(
+        name, target=getattr(common, target), dtype="float32"))
+
+  @parameterized.product(name=sorted(FACTORIES))
+  def test_optimizers_can_be_wrapped_in_inject_hyperparams(self, name):
+    self.run_optax_test(
+        "test_optimizers_can_be_wrapped_in_inject_hyperparams",
+        factory=lambda n: _static(_factory(n)),
+        opt_name=name, opt_kwargs=KWARGS[name])
+
+  @parameterized.product(name=NAMED, dtype=("bfloat16", "float32"))
+  def test_preserve_dtype(self, name, dtype):
+    self.run_optax_test("test_preserve_dtype", opt_name=name,
+                        opt_kwargs=KWARGS[name], dtype=dtype)
+
+  @parameterized.product(name=sorted(FACTORIES), dtype=("bfloat16",
+                                                        "float32"))
+  def test_gradient_accumulation(self, name, dtype):
+    self.run_optax_test("test_gradient_accumulation", opt_name=name,
+                        opt_kwargs=KWARGS[name], dtype=dtype)
+
+  @parameterized.product(name=NAMED, dtype=(jnp.float16, jnp.bfloat16,
+                                            jnp.float32, jnp.float64))
+  def test_state_shape_dtype_shard_stability(self, name, dtype):
+    self.run_optax_test("test_state_shape_dtype_shard_stability",
+                        **_case(name, dtype=dtype))
+
+  @parameterized.product(name=NAMED)
+  def test_optimizers_accept_learning_rate_schedule_if_type_annotated_as_such(
+      self, name):
+    self.run_optax_test(
+        "test_optimizers_accept_learning_rate_schedule_if_type_annotated_as_"
+        "such", **_case(name))
+
+
+def test_named_optimizers_are_annotated_for_schedules():
+  # optax's schedule test above skips itself unless it sees the annotation.
+  for name in NAMED:
+    ann = inspect.signature(FACTORIES[name]).parameters["learning_rate"]
+    assert ann.annotation is optax.ScalarOrSchedule, name
+
