@@ -375,14 +375,31 @@ def kahan(
 
   Donation: params and state can be donated to the jitted step. The residuals
   travel between host and device inside it, so XLA does not alias their
-  buffers across memory kinds; that costs nothing but the aliasing.
+  buffers across memory kinds; that costs nothing but the aliasing. Each
+  residual leaves the step in the memory it came in (one that arrives in
+  device memory under ``offload=True``, restored with a target that carries
+  no memory kind, stays there, with a warning that says how to move it).
+
+  Committed params: the offloaded residuals are committed arrays, and a
+  jitted step whose arguments mix committed and uncommitted ones compiles a
+  second time on its second call. ``init`` commits the rest of the state
+  where the params live and warns when the params are uncommitted:
+  ``params = jax.device_put(params, jax.devices()[0])`` before ``init``.
+
+  Wrappers: ``kahan`` goes outermost, or under wrappers that keep the
+  updates as they are (``optax.MultiSteps``, ``optax.masked``,
+  ``optax.partition``, ``optax.inject_hyperparams``). Put
+  ``optax.apply_if_finite`` inside, ``kahan(optax.apply_if_finite(tx, n))``:
+  around ``kahan`` it would pair the float32 deltas with zeros in the
+  gradients' dtype, which ``lax.cond`` refuses for bf16 gradients.
 
   Args:
     inner: any optax transformation (extra args such as ``value`` are passed
       through to it).
     rounding: how the bf16 params seen by the forward pass are rounded:
       ``"nearest"`` (default, ties away from zero) or ``"truncate"``.
-    offload: keep the residuals in host memory between steps.
+    offload: where ``init`` puts the residuals: host memory
+      (``pinned_host``, the default) or device memory (False).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``KahanState``.
@@ -420,13 +437,14 @@ def kahan(
     # The exact float32 weight merge(p, lo); wide leaves (lo None) as they are.
     if lo is None:
       return p
-    return bits.merge_float32(p, to_device(lo) if offload else lo, rounding)
+    return bits.merge_float32(p, to_device(lo) if _on_host(lo) else lo,
+                              rounding)
 
-  def land(p, new_x):
+  def land(p, lo, new_x):
     # The delta that apply_updates turns into the bf16 part of new_x, and the
-    # new residual, sent back where residuals live.
+    # new residual, sent back to the memory the old one came from.
     hi, new_lo = bits.split_float32(new_x, rounding)
-    return landing_delta(p, hi), to_host(new_lo) if offload else new_lo
+    return landing_delta(p, hi), to_host(new_lo) if _on_host(lo) else new_lo
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
@@ -446,7 +464,7 @@ def kahan(
         return None, lo
       if lo is None:
         return u, None
-      return land(p, x + u.astype(jnp.float32))
+      return land(p, lo, x + u.astype(jnp.float32))
 
     deltas, residuals = _unzip(
         _map(step_leaf, params, x32, u, state.residuals), params)
@@ -477,7 +495,7 @@ def kahan(
     outs = for_each_leaf(leaf, grads, plan.leaf_states, p_lo)
     deltas, new_lows = [], []
     for p, lo, (out, _) in zip(flat, lows, outs):
-      delta, new_lo = (out, None) if lo is None else land(p, out)
+      delta, new_lo = (out, None) if lo is None else land(p, lo, out)
       deltas.append(delta)
       new_lows.append(new_lo)
     return (jax.tree.unflatten(treedef, deltas),
@@ -488,30 +506,30 @@ def kahan(
 
 
 def _check_memory(params: Any, residuals: Residuals, offload: bool) -> None:
-  """Raises ValueError for a residual outside the memory ``offload`` says.
+  """Warns for each residual outside the memory that ``offload`` says.
 
-  A step reads each residual from, and writes it back to, host memory with
-  ``offload=True`` (device memory with False). A residual that arrives in the
-  other memory (restored with a target that carries no memory kind, say)
-  would leave the step in another memory than it came in, and a step that
-  donates its state then aborts the process inside the runtime; this check
-  runs while the step is traced, before anything executes.
+  Each residual leaves a step in the memory it came in: a step whose output
+  lands in another memory than a donated input aborts the process inside
+  the runtime. So a residual restored into device memory (with a checkpoint
+  target that carries no memory kind) stays there, costing device memory,
+  and this warns while the step is traced, naming the leaf and the fix.
   """
-  for (path, _), lo in zip(_leaves_with_paths(params),
-                           _leaves_like(params, residuals, "residuals")):
-    if lo is None or isinstance(lo, optax.MaskedNode):
-      continue
-    if _on_host(lo) != offload:
-      where, want = (("device", "host (pinned_host)") if offload
-                     else ("host", "device"))
-      raise ValueError(
-          f"the residual of leaf {path} is in {where} memory, but "
-          f"kahan(offload={offload}) keeps residuals in {want} memory. Restore "
-          "checkpoints with targets that carry the state's shardings "
-          "(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) of a "
-          "fresh tx.init(params)), or move them: opt_state = "
-          "ok.kahan_replace_residuals(opt_state, jax.device_put(residuals, "
-          f"jax.memory.Space.{'Host' if offload else 'Device'}))")
+  misplaced = [path for (path, _), lo in zip(
+      _leaves_with_paths(params), _leaves_like(params, residuals, "residuals"))
+               if lo is not None and not isinstance(lo, optax.MaskedNode)
+               and _on_host(lo) != offload]
+  if misplaced:
+    where, want = (("device", "host (pinned_host)") if offload
+                   else ("host", "device"))
+    warnings.warn(
+        f"kahan(offload={offload}): {len(misplaced)} residuals (the first of "
+        f"leaf {misplaced[0]}) are in {where} memory and stay there; kahan "
+        f"keeps them in {want} memory. Restore checkpoints with targets that "
+        "carry the state's shardings (jax.ShapeDtypeStruct(x.shape, x.dtype, "
+        "sharding=x.sharding) of a fresh tx.init(params)), or move them once: "
+        "opt_state = ok.kahan_replace_residuals(opt_state, jax.device_put("
+        f"residuals, jax.memory.Space.{'Host' if offload else 'Device'}))",
+        stacklevel=4)
 
 
 def _commit_with(state: Any, params: Any) -> Any:
