@@ -115,10 +115,10 @@ class LeafwiseTransformation(optax.GradientTransformationExtraArgs):
   ``decode(g_i, x_i) -> (g, x)`` the function that turns one leaf's entries
   into the values the math sees, applied inside the first pass's own
   per-leaf islands. ``update`` is ``prepare`` (with ``decode`` the identity)
-  followed by ``for_each_leaf(plan.leaf_update, ...)``. ``kahan`` instead passes the
-  bf16 params with their residuals and a ``decode`` that merges them, and runs
-  ``plan.leaf_update`` inside its own islands, between its merge and its
-  split: no float32 copy of the whole tree is ever made.
+  followed by ``for_each_leaf(plan.leaf_update, ...)``. ``kahan`` instead
+  passes the bf16 params with their residuals and a ``decode`` that merges
+  them, and runs ``plan.leaf_update`` inside its own islands, between its
+  merge and its split: no float32 copy of the whole tree is ever made.
   """
 
   prepare: Callable[..., LeafwisePlan]
@@ -178,8 +178,8 @@ class _ParamsSlot:
 
   ``jax.tree.map(f, slot)`` returns a slot, so every subtree of ``tx``'s
   state that is made by mapping over the params comes out as a slot; these
-  are the entries cut leaf by leaf (``optax.tree.map_params`` uses the same
-  device).
+  are the entries cut leaf by leaf (``optax.tree.map_params`` finds the
+  params-shaped parts of a state the same way).
   """
 
 
@@ -274,8 +274,9 @@ def _check_per_leaf(tx: optax.GradientTransformation, layout: _Layout,
             for x in flat]
   abstract = params_def.unflatten(shapes)
   try:
-    closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(
-        abstract, state, abstract)
+    closed, (_, new_state) = jax.make_jaxpr(
+        lambda g, s, p: tx.update(g, s, p), return_shape=True)(
+            abstract, state, abstract)
   except TypeError:
     return  # tx.update needs extra args to run; nothing to check at init
   leaf_labels = list(range(len(flat)))
@@ -283,8 +284,6 @@ def _check_per_leaf(tx: optax.GradientTransformation, layout: _Layout,
                leaf_labels + _labels_of(layout, state, params_def)
                + leaf_labels]
   outs = _reads(closed.jaxpr, in_labels)
-  updates_shape, new_state = jax.eval_shape(
-      lambda g, s, p: tx.update(g, s, p), abstract, state, abstract)
   want = leaf_labels + _labels_of(layout, new_state, params_def)
   for out, own in zip(outs, want):
     foreign = sorted(out - {own})
@@ -296,7 +295,6 @@ def _check_per_leaf(tx: optax.GradientTransformation, layout: _Layout,
           f"{paths[foreign[0]]}. Run one leaf at a time, it would see only "
           "its own leaf. Keep transformations that combine leaves (optax."
           "clip_by_global_norm, Prodigy's estimator) outside leafwise(...)")
-  del updates_shape
 
 
 def leafwise(tx: optax.GradientTransformation) -> LeafwiseTransformation:

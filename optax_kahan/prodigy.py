@@ -102,10 +102,11 @@ def _slice(x: jax.Array, slice_p: int) -> jax.Array:
 
   With ``slice_p = 1`` nothing is flattened: the statistics keep the leaf's
   shape and sharding (a reshape of a leaf sharded on a non-leading axis is
-  refused under Explicit sharding). Sharded over Explicit mesh axes, JAX's type rules refuse the strided slice
-  unless its length divides evenly; the slice is then left to the SPMD
-  partitioner (which exchanges only the entries near shard boundaries) and
-  the 1/slice_p result is replicated.
+  refused under Explicit sharding). For ``slice_p > 1``, sharded over
+  Explicit mesh axes, JAX's type rules refuse the strided slice unless its
+  length divides evenly; the slice is then left to the SPMD partitioner
+  (which exchanges only the entries near shard boundaries) and the 1/slice_p
+  result is replicated.
   """
   if slice_p == 1:
     return x

@@ -1,4 +1,4 @@
-"""A Flax ``TrainState`` of bf16 params that starts from float32 weights, in one call.
+"""A Flax ``TrainState`` of bf16 params started from float32 weights, in a call.
 
 ``TrainState.create(apply_fn=..., params=params, tx=tx)`` calls
 ``tx.init(params)``: for bf16 params made from a float32 checkpoint that
@@ -36,7 +36,7 @@ def kahan_train_state(
     state_class: Optional[type[train_state.TrainState]] = None,
     **kwargs: Any,
 ) -> train_state.TrainState:
-  """``TrainState`` with bf16 params, ``kahan`` state from exact float32 weights.
+  """A ``TrainState`` of bf16 params whose ``kahan`` state keeps float32 bits.
 
   Args:
     params_f32: the pretrained float32 weights (float64 leaves are kept as

@@ -1,4 +1,4 @@
-"""Argument and tree checks shared by the transformations: errors that name the culprit.
+"""Argument, state and tree checks whose errors name the culprit.
 
 Every check raises (or warns) with the name of the argument or the path of the
 leaf at fault, so that a mistake in a 1,000-leaf model is found in one read:
@@ -41,7 +41,7 @@ def check_positive(name: str, value: Any, allow_zero: bool = False) -> None:
 
 
 def warn_low_precision_hyperparams(where: str, **hyperparams: Any) -> None:
-  """Warns for each hyperparameter that arrives as an array narrower than float32.
+  """Warns for each hyperparameter that arrives narrower than float32.
 
   That happens under ``optax.inject_hyperparams`` without
   ``hyperparam_dtype=jnp.float32`` on bfloat16 or float16 params: the

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from benchmarks import gpu_step, memory, quality, report, speed, step_memory
+from benchmarks import (compile_time, gpu_step, memory, quality, report, speed,
+                        step_memory)
 
 pytestmark = pytest.mark.slow  # minutes: run with pytest -m slow
 
@@ -23,6 +24,15 @@ def test_memory_quick_has_every_row():
           < rows["prodigy() on bf16"]["device_state_B_per_param"] / 10)
   md = (report.RESULTS / "memory_quick.md").read_text()
   assert "kahan(prodigy_factored()) on bf16" in md
+
+
+def test_compile_time_quick_times_every_step():
+  results = compile_time.main(["--quick"])
+  assert set(results["seconds"]) == set(compile_time.OPTIMIZERS)
+  assert all(s > 0 for s in results["seconds"].values())
+  assert results["ratio_to_kahan_adamw"]["kahan(optax.adamw)"] == 1.0
+  assert "kahan(prodigy_factored())" in (
+      report.RESULTS / "compile_time_quick.md").read_text()
 
 
 def test_speed_quick_reports_every_ratio():

@@ -414,9 +414,9 @@ for mode in ("explicit", "auto"):
           p, s = step(params, state)
           p, s = step(p, s)
           kernel = p["kernel"]
+          same = kernel.sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
           checks = {
-              "kernel keeps its sharding": bool(kernel.sharding.is_equivalent_to(
-                  NamedSharding(mesh, spec), 2)),
+              "kernel keeps its sharding": bool(same),
               "kernel stays bf16": kernel.dtype == jnp.bfloat16,
               "one compilation": step._cache_size() == 1}
           report[key] = {"ok": all(checks.values()),
