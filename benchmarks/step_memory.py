@@ -73,10 +73,30 @@ CONFIGS: dict[str, tuple[Make, Optional[Make]]] = {
 }
 
 
+def abstract_state(tx, params):
+  """``tx.init``'s shapes, with kahan's residuals in host memory.
+
+  ``jax.eval_shape`` drops memory kinds; a real ``init`` puts the residuals
+  in ``pinned_host`` memory, and the step lowered here must read them there.
+  (A ``SingleDeviceSharding``'s memory kind is ignored when tracing a
+  ``ShapeDtypeStruct``; a ``NamedSharding``'s is kept.)
+  """
+  state = jax.eval_shape(tx.init, params)
+  try:
+    residuals = ok.kahan_residuals(state)
+  except ValueError:  # no kahan in this optimizer
+    return state
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("one",))
+  host = jax.sharding.NamedSharding(mesh, jax.P(), memory_kind="pinned_host")
+  return ok.kahan_replace_residuals(state, jax.tree.map(
+      lambda r: jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=host),
+      residuals))
+
+
 def temp_bytes(make, shapes: model_shapes.Shapes) -> int:
   tx = make()
   params = model_shapes.as_params(shapes)
-  state = jax.eval_shape(tx.init, params)
+  state = abstract_state(tx, params)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, state, grads):
