@@ -90,37 +90,36 @@ def tree_mismatch(a: Any, b: Any, *, names: tuple[str, str] = ("a", "b"),
   leaf against a node.
   """
 
+  def children(node):
+    # (key path, child) pairs one level down, or None for a leaf.
+    if node is None or (is_leaf is not None and is_leaf(node)):
+      return None
+    flat = jax.tree_util.tree_flatten_with_path(
+        node, is_leaf=lambda x: x is not node)[0]
+    return None if len(flat) == 1 and not flat[0][0] else flat
+
   def describe(node) -> str:
-    children, _ = jax.tree_util.tree_flatten_with_path(
-        node, is_leaf=lambda x: x is not node)
+    kids = children(node)
     if node is None:
       return "None"
-    if not children:
-      return f"an empty {type(node).__name__}"
-    if len(children) == 1 and not children[0][0]:
+    if kids is None:
       return f"a leaf ({type(node).__name__})"
-
-    keys = [jax.tree_util.keystr(p) for p, _ in children]
+    if not kids:
+      return f"an empty {type(node).__name__}"
+    keys = [jax.tree_util.keystr(k) for k, _ in kids]
     shown = ", ".join(keys[:6]) + (", ..." if len(keys) > 6 else "")
     return f"a {type(node).__name__} with {shown}"
 
   def walk(x, y, path: str) -> Optional[str]:
-    leaf_x = x is None or (is_leaf is not None and is_leaf(x))
-    leaf_y = y is None or (is_leaf is not None and is_leaf(y))
-    kx = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda n: n is not x)
-    ky = jax.tree_util.tree_flatten_with_path(y, is_leaf=lambda n: n is not y)
-    flat_x = leaf_x or (len(kx[0]) == 1 and not kx[0][0][0])
-    flat_y = leaf_y or (len(ky[0]) == 1 and not ky[0][0][0])
-    if flat_x and flat_y:
+    kx, ky = children(x), children(y)
+    if kx is None and ky is None:
       return None
-    same_type = type(x) is type(y)
-    keys_x = [p for p, _ in kx[0]]
-    keys_y = [p for p, _ in ky[0]]
-    if flat_x or flat_y or not same_type or keys_x != keys_y:
+    if (kx is None or ky is None or type(x) is not type(y)
+        or [k for k, _ in kx] != [k for k, _ in ky]):
       return (f"at {path or '<root>'}: {names[0]} has {describe(x)}, "
               f"{names[1]} has {describe(y)}")
-    for (kp, cx), (_, cy) in zip(kx[0], ky[0]):
-      found = walk(cx, cy, path + jax.tree_util.keystr(kp))
+    for (key, cx), (_, cy) in zip(kx, ky):
+      found = walk(cx, cy, path + jax.tree_util.keystr(key))
       if found:
         return found
     return None
