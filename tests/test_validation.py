@@ -1,0 +1,58 @@
+"""The shared checks: each names the argument, leaf or path at fault."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax.core import FrozenDict
+
+from optax_kahan import validation
+
+
+def test_tree_mismatch_names_the_first_path_and_the_node_types():
+  a = {"enc": {"w": jnp.ones(2), "b": jnp.ones(2)}, "dec": {"w": jnp.ones(2)}}
+  assert validation.tree_mismatch(a, a) is None
+  frozen = {"enc": FrozenDict(a["enc"]), "dec": a["dec"]}
+  assert validation.tree_mismatch(a, frozen, names=("p", "q")) == (
+      "at ['enc']: p has a dict with ['b'], ['w'], q has a FrozenDict with "
+      "['b'], ['w']")
+  missing = {"enc": {"w": jnp.ones(2)}, "dec": a["dec"]}
+  assert "at ['enc']" in validation.tree_mismatch(a, missing)
+  leaf_vs_node = {"enc": jnp.ones(2), "dec": a["dec"]}
+  assert "a leaf" in validation.tree_mismatch(a, leaf_vs_node)
+
+
+def test_check_real_names_the_complex_leaf():
+  validation.check_real("f", {"x": jnp.ones(2)})
+  with pytest.raises(TypeError, match=r"f: leaf \['z'\] is complex64"):
+    validation.check_real("f", {"x": jnp.ones(2), "z": jnp.ones(2, "complex64")})
+
+
+def test_check_state_says_to_pass_the_whole_state():
+  validation.check_state("tx", (1,), tuple)
+  with pytest.raises(TypeError, match="tx.update got a state of type list"):
+    validation.check_state("tx", [1], tuple)
+
+
+def test_static_zero_sees_python_and_concrete_zeros_only():
+  assert validation.is_static_zero(0) and validation.is_static_zero(0.0)
+  assert validation.is_static_zero(jnp.asarray(0.0))
+  assert not validation.is_static_zero(0.9)
+  seen = []
+  jax.jit(lambda b: seen.append(validation.is_static_zero(b)))(0.0)
+  assert seen == [False]  # traced: unknown
+
+
+def test_low_precision_hyperparameters_warn_by_name():
+  validation.warn_low_precision_hyperparams("f", b2=0.999,
+                                            eps=jnp.float32(1e-8))
+  with pytest.warns(UserWarning, match="hyperparameter b2 is bfloat16"):
+    validation.warn_low_precision_hyperparams("f", b2=jnp.bfloat16(0.999))
+
+
+def test_range_checks_name_the_argument():
+  with pytest.raises(ValueError, match="b1 must be in"):
+    validation.check_beta("b1", 1.0)
+  with pytest.raises(ValueError, match="d0 must be > 0"):
+    validation.check_positive("d0", 0.0)
+  validation.check_positive("wd", 0.0, allow_zero=True)
+  validation.check_beta("b1", jnp.asarray(2.0))  # arrays: not checkable here
