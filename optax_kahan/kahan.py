@@ -451,8 +451,7 @@ def kahan(
       raise ValueError("kahan(...).update needs params: call "
                        "tx.update(grads, state, params)")
     validation.check_state("kahan(...)", state, KahanState)
-    _check_residuals(params, state.residuals)
-    _check_memory(params, state.residuals, offload)
+    _check_memory(params, _check_residuals(params, state.residuals), offload)
     if isinstance(inner, LeafwiseTransformation):
       return leafwise_update(updates, state, params, extra_args)
     x32 = _map(lambda path, p, lo: exact(p, lo), params, state.residuals)
@@ -505,7 +504,7 @@ def kahan(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_memory(params: Any, residuals: Residuals, offload: bool) -> None:
+def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
   """Warns for each residual outside the memory that ``offload`` says.
 
   Each residual leaves a step in the memory it came in: a step whose output
@@ -513,9 +512,9 @@ def _check_memory(params: Any, residuals: Residuals, offload: bool) -> None:
   the runtime. So a residual restored into device memory (with a checkpoint
   target that carries no memory kind) stays there, costing device memory,
   and this warns while the step is traced, naming the leaf and the fix.
+  ``lows`` are the residuals one per params leaf (from ``_check_residuals``).
   """
-  misplaced = [path for (path, _), lo in zip(
-      _leaves_with_paths(params), _leaves_like(params, residuals, "residuals"))
+  misplaced = [path for (path, _), lo in zip(_leaves_with_paths(params), lows)
                if lo is not None and not isinstance(lo, optax.MaskedNode)
                and _on_host(lo) != offload]
   if misplaced:

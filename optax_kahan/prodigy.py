@@ -126,8 +126,7 @@ def _warn_if_narrow(params: Any) -> None:
   Inside ``kahan`` the estimator sees float32 weights and this never fires.
   """
   narrow = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(params)
-                   if jnp.issubdtype(x.dtype, jnp.floating)
-                   and jnp.finfo(x.dtype).bits < 32})
+                   if validation.is_narrow_float(x.dtype)})
   if narrow:
     warnings.warn(
         f"scale_by_prodigy on {', '.join(narrow)} params: its first steps "
@@ -214,8 +213,7 @@ def scale_by_prodigy(
   if not callable(learning_rate):
     validation.check_positive("learning_rate", learning_rate,
                               allow_zero=True)
-  if isinstance(b3, (int, float)) and not 0.0 <= b3 < 1.0:
-    raise ValueError(f"b3 must be in [0, 1), got {b3}")
+  validation.check_beta("b3", b3)
   if not isinstance(slice_p, int) or isinstance(slice_p, bool) or slice_p < 1:
     raise ValueError(
         f"slice_p must be a Python int >= 1 (it sets the state's shapes), got "

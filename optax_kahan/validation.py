@@ -40,6 +40,12 @@ def check_positive(name: str, value: Any, allow_zero: bool = False) -> None:
     raise ValueError(f"{name} must be {bound}, got {value}")
 
 
+def is_narrow_float(dtype: Any) -> bool:
+  """True for floating dtypes narrower than float32 (bfloat16, float16)."""
+  return (jnp.issubdtype(dtype, jnp.floating)
+          and jnp.finfo(dtype).bits < 32)
+
+
 def warn_low_precision_hyperparams(where: str, **hyperparams: Any) -> None:
   """Warns for each hyperparameter that arrives narrower than float32.
 
@@ -50,8 +56,7 @@ def warn_low_precision_hyperparams(where: str, **hyperparams: Any) -> None:
   """
   for name, value in hyperparams.items():
     dtype = getattr(value, "dtype", None)
-    if (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-        and jnp.finfo(dtype).bits < 32):
+    if dtype is not None and is_narrow_float(dtype):
       warnings.warn(
           f"{where}: hyperparameter {name} is {jnp.dtype(dtype).name}, which "
           "rounds it (in bfloat16 0.999 is 1.0 and the second moment stops "

@@ -43,6 +43,9 @@ def test_static_zero_sees_python_and_concrete_zeros_only():
 
 
 def test_low_precision_hyperparameters_warn_by_name():
+  assert validation.is_narrow_float(jnp.bfloat16)
+  assert not validation.is_narrow_float(jnp.float32)
+  assert not validation.is_narrow_float(jnp.int8)
   validation.warn_low_precision_hyperparams("f", b2=0.999,
                                             eps=jnp.float32(1e-8))
   with pytest.warns(UserWarning, match="hyperparameter b2 is bfloat16"):
