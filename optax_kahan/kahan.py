@@ -365,13 +365,14 @@ def kahan(
   float32 weights, e.g. ``params, residuals = kahan_from_float32(w32)``, and
   the inner state is initialized from them too (Prodigy's ``x0``, say).
 
-  Scratch memory: XLA keeps every leaf's float32 temporaries of this step
-  alive at once (about 6 B/param with ``optax.adamw``). With ``inner`` a
-  ``LeafwiseTransformation`` (``leafwise(tx)``, ``prodigy(leafwise=True)``,
-  ...) each leaf's merge and inner update run in one ``lax.cond`` island and
-  its split right after, so the scratch is about one leaf's (at most 16 B per
-  element of the largest leaf), with the same results; see
-  ``optax_kahan.leafwise``.
+  Scratch memory: XLA:CPU keeps every leaf's float32 temporaries of this
+  step alive at once (about 6 B/param with ``optax.adamw``). With ``inner``
+  a ``LeafwiseTransformation`` (``leafwise(tx)``, ``prodigy(leafwise=True)``,
+  ...) each leaf's merge, inner update and split run as one row of
+  ``for_each_leaf``, ordered after the previous leaf's, with the same
+  results; on the CPU the scratch is then about one leaf's (at most 16 B per
+  element of the largest leaf), and on a GPU the host residuals are staged
+  one leaf ahead instead of all at once (``benchmarks/gpu_compile.py``).
 
   Donation: params and state can be donated to the jitted step. The residuals
   travel between host and device inside it, so XLA does not alias their
@@ -470,13 +471,15 @@ def kahan(
     return deltas, KahanState(residuals, inner_state)
 
   def decode(g, p_lo):
-    # One leaf's float32 gradient and exact float32 weight, inside an island.
+    # One leaf's float32 gradient and exact float32 weight, inside its row.
     return _upcast(g), exact(*p_lo)
 
   def leafwise_update(grads, state, params, extra_args):
-    # Each leaf's merge and inner update run in one island; only the exact
-    # float32 sum x + u and the leaf's inner state leave it, and the split
-    # reads the sum right after (one output, not a shared temporary).
+    # Each leaf's merge, inner update and split run as one row of
+    # for_each_leaf: the delta is a free output (XLA fuses it into
+    # optax.apply_updates), the new residual and inner state are chained
+    # (the next leaf waits for them). A host residual comes in one leaf
+    # ahead and goes back right after its row.
     flat, treedef = jax.tree.flatten(params)
     lows = treedef.flatten_up_to(state.residuals)
     grads = treedef.flatten_up_to(grads)
@@ -488,18 +491,17 @@ def kahan(
       g, x = decode(g, p_lo)
       u, s = plan.leaf_update(g, s, x)
       if p_lo[1] is None:
-        return u, s
-      return x + u.astype(jnp.float32), s  # split outside: one output
+        return u, (None, s)
+      hi, new_lo = bits.split_float32(x + u.astype(jnp.float32), rounding)
+      return landing_delta(p_lo[0], hi), (new_lo, s)
 
     outs = for_each_leaf(leaf, grads, plan.leaf_states, p_lo)
-    deltas, new_lows = [], []
-    for p, lo, (out, _) in zip(flat, lows, outs):
-      delta, new_lo = (out, None) if lo is None else land(p, lo, out)
-      deltas.append(delta)
-      new_lows.append(new_lo)
+    deltas = [delta for delta, _ in outs]
+    new_lows = [to_host(new_lo) if lo is not None and _on_host(lo) else new_lo
+                for lo, (_, (new_lo, _)) in zip(lows, outs)]
     return (jax.tree.unflatten(treedef, deltas),
             KahanState(jax.tree.unflatten(treedef, new_lows),
-                       plan.finish([s for _, s in outs])))
+                       plan.finish([s for _, (_, s) in outs])))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

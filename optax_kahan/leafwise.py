@@ -7,31 +7,37 @@ overwritten in place) are alive at once. On bf16 params that is 6 to 10 bytes
 of scratch per parameter: 70 to 120 GB for a 12B model.
 
 ``leafwise(tx)`` runs ``tx`` on one leaf at a time, as PyTorch's per-tensor
-loops do::
+loops do, through ``for_each_leaf``, which orders the leaves by data
+dependencies and picks its form by the backend it is lowered for
+(``lax.platform_dependent``: one form is lowered, no conditional is left):
 
-    token = barrier(True)
-    for i in range(num_leaves):                  # jax.tree.leaves order
-      (u_i, s_i), token = cond(token, island_i, island_i, token)
-      # island_i returns barrier((tx.update(g_i, s_i, x_i), token))
-
-Each leaf's update runs in a ``lax.cond`` whose two branches are the same
-function, so the predicate cannot change the result: it is there to make
-leaf ``i + 1`` wait for leaf ``i``'s outputs (the token leaves each island
-through an optimization barrier with them, so XLA cannot fold it). A conditional's branch is
-scheduled as one unit with its own temporaries, so XLA frees one leaf's
-scratch before the next leaf starts, and it schedules the consumers outside
-(``optax.apply_updates``) right after the leaf they read.
+* GPU and other backends: a chain of optimization barriers. Leaf ``i + 1``'s
+  inputs wait for leaf ``i``'s chained outputs (new state, new residual), and
+  inputs in host memory (``kahan``'s residuals) are brought to the device one
+  leaf ahead, so at most two leaves' residuals are staged at once and each
+  copy overlaps the previous leaf's update. The update itself is a free
+  output that XLA fuses into ``optax.apply_updates``. No ``lax.cond``: on a
+  GPU a conditional copies its predicate to the host and waits for the
+  device to drain, once per leaf.
+* CPU: each leaf in a ``lax.cond`` island whose two branches are the same
+  function (the predicate, a token that leaves each island through an
+  optimization barrier with its outputs, cannot change the result). A
+  branch is scheduled as one unit with its own temporaries, so XLA:CPU frees
+  one leaf's scratch before the next starts; under data dependencies alone
+  its scheduler leaves every leaf's update waiting for
+  ``optax.apply_updates`` at the end (measured). A conditional costs no host
+  round trip on the CPU.
 
 Two passes. A transformation that couples the leaves (Prodigy's d-estimate
 sums over all of them) is split into a first pass, which computes per-leaf
-statistics (dot products, norms: scalars) in islands of their own and combines
+statistics (dot products, norms: scalars) in rows of their own and combines
 them, and a per-leaf second pass that uses the combined scalars. That split is
 a ``LeafwisePlan``, returned by the ``prepare`` function of a
 ``LeafwiseTransformation``. ``leafwise(tx)`` has an empty first pass;
 ``scale_by_prodigy(leafwise(preconditioner))`` (``prodigy(leafwise=True)``)
-has a real one. ``kahan`` puts its merge of bf16 weight and residual inside
-both passes' islands, and splits each leaf's float32 sum right after its
-island, so that no float32 copy of a whole tree ever exists.
+has a real one. ``kahan`` puts its merge of bf16 weight and residual, and its
+split, inside both passes' rows, so that no float32 copy of a whole tree
+ever exists (and a residual crosses to the device once per pass).
 
 Which transformations ``leafwise`` may wrap: elementwise ones (Adam, AdamW,
 Lion, SGD with momentum, ``scale_by_second_moment``) and per-leaf ones
@@ -46,11 +52,11 @@ what surrounds an expression, and this package's code is written so that
 neither applies: XLA turns a division by a broadcast scalar into a
 multiplication by its reciprocal only where the scalar has one user (one
 leaf), so ``optax.adamw``'s bias correction rounds differently in a
-one-leaf island than in a many-leaf program (up to an ulp in some elements:
+one-leaf program than in a many-leaf one (up to an ulp in some elements:
 the leafwise step is then ``optax.adamw`` run on each leaf alone, bit for
 bit); and XLA's CPU backend may contract a multiply and an add into an FMA
-when the update is fused into ``optax.apply_updates``, which an island
-boundary prevents (inside ``kahan`` the sum is formed inside the island
+when the update is fused into ``optax.apply_updates``, which a row
+boundary prevents (inside ``kahan`` the sum is formed inside the row
 either way).
 
 State: ``leafwise(tx)`` keeps ``tx``'s own state, laid out as ``tx`` lays it
@@ -58,15 +64,20 @@ out, so checkpoints of the two mix and ``optax.tree.map_params`` works. At
 each step the state is cut into per-leaf states: the subtrees shaped like the
 params (found, as ``optax.tree.map_params`` finds them, by initialising ``tx``
 on a stand-in for the params) give leaf ``i``'s entry, and every other entry
-(a step count) is shared; after the islands the per-leaf states are put back
+(a step count) is shared; after the rows the per-leaf states are put back
 together, the shared entries taken from the first leaf. ``init`` checks, by
 tracing ``tx.update`` once on the whole tree, that no leaf's output reads
 another leaf and that the shared entries read no leaf; a transformation that
 couples leaves (``optax.clip_by_global_norm`` anywhere in a chain) is refused.
 
-Costs: each leaf is a conditional, run in sequence (the step time is measured
-by ``benchmarks/step_memory.py``; on GPU a conditional reads its predicate
-back to the host once per leaf).
+Costs: the leaves run in sequence (the CPU step time is measured by
+``benchmarks/step_memory.py``; the GPU programs by
+``benchmarks/gpu_compile.py``). On a GPU, inside ``kahan``, this bounds the
+staged residuals: in an optimizer step, and in a whole training step whose
+blocks run in a ``lax.scan``. With unrolled blocks under ``jax.checkpoint``
+any host copy in the program (a residual's) lets XLA:GPU's latency-hiding
+scheduler move the blocks' recomputed forward passes early, which costs
+more activation memory than the residuals save (measured; see the README).
 
 Layering: like ``bits``, this module depends on nothing else in the package;
 ``kahan`` and ``scale_by_prodigy`` build on it.
@@ -114,10 +125,10 @@ class LeafwiseTransformation(optax.GradientTransformationExtraArgs):
   order, ``treedef`` the params' tree structure, and
   ``decode(g_i, x_i) -> (g, x)`` the function that turns one leaf's entries
   into the values the math sees, applied inside the first pass's own
-  per-leaf islands. ``update`` is ``prepare`` (with ``decode`` the identity)
+  per-leaf rows. ``update`` is ``prepare`` (with ``decode`` the identity)
   followed by ``for_each_leaf(plan.leaf_update, ...)``. ``kahan`` instead
   passes the bf16 params with their residuals and a ``decode`` that merges
-  them, and runs ``plan.leaf_update`` inside its own islands, between its
+  them, and runs ``plan.leaf_update`` inside its own rows, between its
   merge and its split: no float32 copy of the whole tree is ever made.
   """
 
@@ -143,23 +154,120 @@ def identity_decode(g: Any, x: Any) -> tuple[Any, Any]:
   return g, x
 
 
-def for_each_leaf(fn: Callable[..., Any], *columns: list[Any]) -> list[Any]:
-  """``[fn(*row) for row in zip(*columns)]``, one ``lax.cond`` island per row.
+def _on_host(x: Any) -> bool:
+  return (isinstance(x, (jax.Array, jax.core.Tracer))
+          and jax.typeof(x).memory_space == jax.memory.Space.Host)
 
-  The islands are chained by a boolean token: each branch returns the token
-  it got through ``lax.optimization_barrier`` together with its outputs, so
-  XLA can neither see that the token is always True nor read it before the
-  outputs exist, and row ``i + 1``'s island (whose predicate it is) runs after
-  row ``i``'s. Both branches are ``fn``, so the predicate's value does not
-  matter. The token is a replicated scalar: no collective under sharding.
+
+def _stage(row: Any) -> Any:
+  """Brings the row's arrays that live in host memory into device memory."""
+  return jax.tree.map(
+      lambda x: jax.device_put(x, jax.memory.Space.Device) if _on_host(x)
+      else x, row)
+
+
+def _tie(x: Any, token: jax.Array,
+         scalars: bool = True) -> tuple[Any, jax.Array]:
+  """``x`` and ``token`` through one optimization barrier.
+
+  Whatever reads the returned arrays runs after ``token`` exists, and the
+  returned token exists only once all of ``x`` does. With ``scalars=False``
+  the scalars of ``x`` stay outside: a row's inputs such as a step count or
+  a bias correction, shared by all leaves, are then computed once, as in the
+  whole-tree program.
+  """
+  flat, treedef = jax.tree.flatten(x)
+  tied = [i for i, a in enumerate(flat) if scalars or jnp.ndim(a) > 0]
+  out, token = jax.lax.optimization_barrier(([flat[i] for i in tied], token))
+  for i, a in zip(tied, out):
+    flat[i] = a
+  return treedef.unflatten(flat), token
+
+
+def for_each_leaf(fn: Callable[..., tuple[Any, Any]],
+                  *columns: list[Any]) -> list[tuple[Any, Any]]:
+  """``[fn(*row) for row in zip(*columns)]``, one row after the other.
+
+  ``fn`` returns a pair ``(free, chained)``. Rows are ordered by data
+  dependencies, with no control flow::
+
+    token_0 = barrier(0)
+    for i, row in enumerate(rows):
+      row_i = stage(tie(row_i, token_{i-1}))   # host arrays -> device
+      row_i = tie(row_i, token_i)
+      free_i, chained_i = fn(*row_i)
+      chained_i, token_{i+1} = tie(chained_i, token_i)
+
+  ``tie(x, t)`` passes ``x`` and ``t`` through one
+  ``lax.optimization_barrier``: nothing that reads its outputs runs before
+  all of its inputs exist. So row ``i + 1``'s work starts once row ``i``'s
+  ``chained`` outputs exist, and one row's temporaries are dead before the
+  next row's are made. ``free`` outputs are not tied, so XLA may fuse them
+  with their consumers outside (an update with ``optax.apply_updates``: a
+  tied float32 update would be written out whole, and XLA may run every
+  consumer at the end, keeping them all). Arrays of a row that live in host
+  memory (``kahan``'s residuals) are brought to the device one row ahead:
+  row ``i + 1``'s copy may start once row ``i - 1`` is done, so it overlaps
+  row ``i``'s compute, and at most two rows' host arrays are staged at once.
+
+  A row's scalar inputs are not tied (a scalar shared by all rows, such as
+  a step count, is then computed once, as in a whole-tree program); its
+  scalar ``chained`` outputs are (a per-leaf sum must not wait, holding the
+  leaf's staged inputs, until the end).
+
+  That is the form lowered for GPUs and other backends: no ``lax.cond``,
+  since on a GPU a conditional reads its predicate back to the host and
+  waits for the device to drain, once per row. Lowered for the CPU, each
+  row runs in a ``lax.cond`` island instead (see the module docstring);
+  ``lax.platform_dependent`` lowers only the form of the target backend.
 
   Args:
-    fn: the per-leaf work; its arguments and outputs are pytrees of arrays
-      (``None`` allowed).
+    fn: the per-leaf work, returning ``(free, chained)``; arguments and
+      outputs are pytrees of arrays (``None`` allowed).
     *columns: equal-length lists, one entry per leaf.
 
   Returns:
     The list of ``fn``'s outputs, in order.
+
+  References:
+    XLA operation semantics, ``OptimizationBarrier``.
+  """
+  rows = list(zip(*columns))
+  if not rows:
+    return []
+  flat, treedef = jax.tree.flatten(rows)
+  return jax.lax.platform_dependent(
+      *flat,
+      cpu=lambda *flat: _islands(fn, treedef.unflatten(flat)),
+      default=lambda *flat: _chain(fn, treedef.unflatten(flat)))
+
+
+def _chain(fn: Callable[..., Any], rows: list[Any]) -> list[Any]:
+  """``for_each_leaf`` by data dependencies alone (GPU and other backends)."""
+  outs = []
+  token = jax.lax.optimization_barrier(jnp.zeros([], jnp.int32))
+  prev = token  # the token of the row before the last
+  for row in rows:
+    staged, _ = _tie(row, prev, scalars=False)
+    row, _ = _tie(_stage(staged), token, scalars=False)
+    free, chained = fn(*row)
+    chained, new = _tie(chained, token)
+    outs.append((free, chained))
+    prev, token = token, new
+  return outs
+
+
+def _islands(fn: Callable[..., Any], rows: list[Any]) -> list[Any]:
+  """``for_each_leaf`` on the CPU: each row in a ``lax.cond`` island.
+
+  XLA's CPU scheduler does not keep the free outputs' consumers next to
+  their row under data dependencies alone (every leaf's update then waits
+  for ``optax.apply_updates`` at the end); a conditional's branch is
+  scheduled as one unit, so one row's temporaries die before the next
+  row's are made. Both branches are ``fn``, so the predicate (the token,
+  which leaves each island through an optimization barrier with the row's
+  outputs, so XLA cannot fold it) does not change the result; on the CPU a
+  conditional costs no host round trip.
   """
 
   def island(token, *row):
@@ -167,7 +275,7 @@ def for_each_leaf(fn: Callable[..., Any], *columns: list[Any]) -> list[Any]:
 
   outs = []
   token = jax.lax.optimization_barrier(jnp.array(True))
-  for row in zip(*columns):
+  for row in rows:
     out, token = jax.lax.cond(token, island, island, token, *row)
     outs.append(out)
   return outs
@@ -304,7 +412,7 @@ def leafwise(tx: optax.GradientTransformation) -> LeafwiseTransformation:
 
     u_i, state_i = tx.update(g_i, state_i, params_i, **extra_args)
 
-  each update in its own ``lax.cond`` island, ordered after the previous
+  each update in its own row of ``for_each_leaf``, ordered after the previous
   leaf's (see the module docstring), with ``state_i`` leaf ``i``'s cut of
   ``tx``'s state. With ``tx`` elementwise or per-leaf the updates are those
   of ``tx`` on the whole tree (bit for bit, but for the XLA rewrite the
@@ -312,7 +420,7 @@ def leafwise(tx: optax.GradientTransformation) -> LeafwiseTransformation:
   every leaf's update unchanged.
 
   Chain inside, not outside: ``kahan`` runs its own per-leaf work in the
-  islands only when the ``LeafwiseTransformation`` is its direct inner
+  rows only when the ``LeafwiseTransformation`` is its direct inner
   transformation, so write ``kahan(leafwise(optax.chain(a, b)))``; around
   ``optax.chain(leafwise(a), b)`` it computes the same, without the bound.
 

@@ -183,7 +183,8 @@ def scale_by_prodigy(
       ``d_ratio`` and ``d_growth``. Wrapped in ``leafwise(...)``, the whole
       estimator runs leaf by leaf (a ``LeafwiseTransformation``): the sums
       over leaves in a first pass, the moments and the step in a second, each
-      leaf in its own island; the results are the same bit for bit.
+      leaf in its own row of ``for_each_leaf``; the results are the same
+      bit for bit.
     learning_rate: multiplier of ``d`` (1.0 in Prodigy), float or schedule.
     b3: decay of ``r`` and ``s`` (``sqrt(b2)`` in prodigyopt).
     weight_decay: decoupled weight decay ``lambda``.
@@ -245,7 +246,7 @@ def scale_by_prodigy(
 
     ``grads`` and ``xs`` are lists in leaf order; ``decode(g, x)`` turns one
     leaf's entries into the float values (identity, or ``kahan``'s merge).
-    Leaf by leaf (in ``lax.cond`` islands when the preconditioner is
+    Leaf by leaf (rows of ``for_each_leaf`` when the preconditioner is
     leafwise) it computes ``<g_S, x0_S - x_S>``, the new ``s`` and
     ``sum |s|``; the rest is scalar.
     """
@@ -274,7 +275,8 @@ def scale_by_prodigy(
       return dot, s, jnp.sum(jnp.abs(s.astype(dtype)))
 
     rows = (grads, xs, jax.tree.leaves(state.params0), jax.tree.leaves(state.s))
-    stats = (for_each_leaf(leaf_stats, *rows) if leafwise
+    stats = ([chained for _, chained in for_each_leaf(
+        lambda *row: (None, leaf_stats(*row)), *rows)] if leafwise
              else [leaf_stats(*row) for row in zip(*rows)])
     numerator = b3_ * state.numerator + weight * _total(
         [t[0] for t in stats], dtype)

@@ -1,6 +1,7 @@
 """Leaf-by-leaf steps: bounded scratch, the same results bit for bit."""
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -302,3 +303,33 @@ def test_leafwise_under_fsdp_sharding_matches_the_single_device_run():
         np.testing.assert_allclose(got["w"][k], want[k], rtol=tol,
                                    atol=1e-7 if tol else 0,
                                    err_msg=f"{name}/{mode}/{k}")
+
+
+@pytest.mark.parametrize("name", list(KAHAN))
+def test_the_gpu_form_of_the_chain_computes_the_same(name, monkeypatch):
+  """for_each_leaf lowers its barrier chain (no conditionals) for GPUs and
+  its lax.cond islands for the CPU. The chain, forced here on the CPU, gives
+  the same weights and residuals, and the residuals stay in host memory."""
+  leafwise_lib = sys.modules["optax_kahan.leafwise"]  # the name is the function
+
+  def run(tx):
+    params = jax.device_put(_params(jnp.bfloat16), jax.devices()[0])
+    state = tx.init(params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    for i in range(STEPS):
+      params, state = step(params, state, _grads(params, i))
+    residuals = ok.kahan_residuals(state)
+    assert all(r.sharding.memory_kind == "pinned_host"
+               for r in jax.tree.leaves(residuals))
+    return ok.kahan_to_float32(params, residuals)
+
+  want = run(KAHAN[name](True))
+  monkeypatch.setattr(leafwise_lib, "_islands", leafwise_lib._chain)
+  got = run(KAHAN[name](True))
+  _assert_bitwise_equal(want, got, name)
+

@@ -1,0 +1,79 @@
+"""The GPU programs' promises, checked by compiling for an H200 here.
+
+Runs ``python -m benchmarks.gpu_compile --quick --check --target h200`` in a
+child process (the compiler needs ``JAX_PLATFORMS=cpu`` set before jax is
+imported): no conditional in any step, and bounded residual staging with
+the offload saving for the leafwise steps. Needs the ``gpu-aot`` extra (jax's
+CUDA plugin); without it the test is skipped, unless
+``OPTAX_KAHAN_REQUIRE_GPU_AOT=1`` (CI sets it) makes that a failure.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import gpu_compile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _has_plugin() -> bool:
+  return importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+
+@pytest.mark.slow
+def test_gpu_programs_keep_their_promises():
+  if not _has_plugin():
+    if os.environ.get("OPTAX_KAHAN_REQUIRE_GPU_AOT") == "1":
+      pytest.fail('jax\'s CUDA plugin is missing: pip install -e ".[gpu-aot]"')
+    pytest.skip('needs pip install -e ".[gpu-aot]"')
+  out = subprocess.run(
+      [sys.executable, "-m", "benchmarks.gpu_compile", "--quick", "--check",
+       "--target", "h200"], cwd=ROOT, capture_output=True, text=True,
+      timeout=1200)
+  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+  assert "| kahan(leafwise(optax.adamw)) |" in out.stdout
+
+
+def _row(**kw):
+  base = {"conditionals": 0, "h2d_copies": 0, "staging_in_largest_leaves": 0,
+          "largest_leaf_bytes": 100, "params": 1000, "peak_B_per_param": 10}
+  return {**base, **kw}
+
+
+def test_check_fails_on_conditionals_staging_and_a_small_saving():
+  rows = {"kahan(leafwise(optax.adamw))": _row(
+              conditionals=3, h2d_copies=9, staging_in_largest_leaves=5,
+              peak_B_per_param=13.0),
+          "kahan(leafwise(optax.adamw)), offload=False": _row(
+              peak_B_per_param=14.0)}
+  table = {"shapes": "Optimizer step on test shapes", "rows": rows,
+           "offload_saving": gpu_compile.offload_savings(rows)}
+  failures = gpu_compile.check(table)
+  assert len(failures) == 3, failures
+  assert "conditionals" in failures[0]
+  assert "stages 5.0" in failures[1]
+  assert "saves 1.00" in failures[2]
+
+
+def test_schedule_report_reads_staging_through_tuples():
+  hlo = """
+ENTRY %main (p: u16[8], q: u16[8]) -> u16[8] {
+  %p = u16[8]{0:S(5)} parameter(0)
+  %cs = (u16[8]{0}, u16[8]{0:S(5)}, u32[]) copy-start(%p)
+  %cd = u16[8]{0} copy-done(%cs)
+  %t = (u16[8]{0}, u32[]) tuple(%cd, %cd)
+  %g = u16[8]{0} get-tuple-element(%t), index=0
+  %cs2 = (u16[8]{0}, u16[8]{0:S(5)}, u32[]) copy-start(%p)
+  %f = u16[8]{0} fusion(%g), kind=kLoop
+  %cd2 = u16[8]{0} copy-done(%cs2)
+  ROOT %f2 = u16[8]{0} fusion(%cd2, %f), kind=kLoop
+}
+"""
+  r = gpu_compile.schedule_report(hlo)
+  assert r["h2d_copies"] == 2 and r["d2h_copies"] == 0
+  assert r["staging_peak"] == 32  # both 16-byte copies live at %f
+  assert r["overlap"] == 1.0  # the second starts before the first's reader
