@@ -58,9 +58,7 @@ if __name__ == "__main__":  # before jax is imported: no CUDA driver is touched
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 import argparse
-import collections
 import datetime
-import functools
 import math
 import re
 import sys
@@ -68,6 +66,7 @@ import time
 from typing import Any, Callable
 
 import jax
+from jax.experimental import topologies
 import jax.numpy as jnp
 import optax
 
@@ -138,11 +137,10 @@ TARGETS = {
 
 def gpu_mesh(target: str) -> jax.sharding.Mesh:
   """A one-device mesh of a compile-only GPU described by ``TARGETS``."""
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   try:
     topo = topologies.get_topology_desc(
         platform="cuda", target_config=TARGETS[target](), topology="1x1x1")
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # the plugin missing, or another jax version's
     raise SystemExit(
         "benchmarks.gpu_compile needs jax's CUDA plugin at jax's version: "
         f'pip install -e ".[gpu-aot]" ({type(e).__name__}: {e})') from e
