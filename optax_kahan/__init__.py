@@ -24,6 +24,7 @@ from optax_kahan.prodigy import scale_by_prodigy
 from optax_kahan.prodigy import ScaleByProdigyState
 from optax_kahan.second_moment import scale_by_second_moment
 from optax_kahan.second_moment import ScaleBySecondMomentState
+from optax_kahan.staging import stage_by_leaf
 from optax_kahan.stable_adamw import scale_by_stable_adamw
 from optax_kahan.stable_adamw import ScaleByStableAdamWState
 from optax_kahan.stochastic_rounding import stochastic_round
@@ -62,6 +63,7 @@ __all__ = (
     "scale_by_second_moment",
     "scale_by_stable_adamw",
     "split_float32",
+    "stage_by_leaf",
     "stochastic_round",
     "stochastic_round_apply_updates",
     "stochastic_rounding",

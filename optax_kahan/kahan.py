@@ -14,7 +14,9 @@ The sequence of ``x`` is bit for bit that of float32 master weights, while the
 device holds 2 bytes per weight. Between steps the residuals live in host memory
 (memory kind ``pinned_host``); inside a jitted step they move with
 ``jax.device_put(..., jax.memory.Space.Device / Host)``, so the step stays one
-XLA program and XLA can overlap the copies with compute.
+XLA program. Lowered for a GPU, the step brings them in one leaf at a time
+(``optax_kahan.staging``): XLA would otherwise copy them all in at the start,
+and offloading would save no device memory at the peak.
 
 Leaves: bfloat16 leaves get a residual; float32 and float64 leaves need none
 and are updated normally (their residual slot is ``None``); any other dtype
@@ -40,6 +42,8 @@ from optax_kahan import validation
 from optax_kahan.bits import Rounding
 from optax_kahan.leafwise import for_each_leaf
 from optax_kahan.leafwise import LeafwiseTransformation
+from optax_kahan.staging import on_host
+from optax_kahan.staging import stage_by_leaf
 
 Residuals = Any  # A tree like the params: uint16 arrays, None for wide leaves.
 
@@ -173,10 +177,6 @@ def to_device(x: jax.Array) -> jax.Array:
   return jax.device_put(x, jax.memory.Space.Device)
 
 
-def _on_host(x: jax.Array) -> bool:
-  return jax.typeof(x).memory_space == jax.memory.Space.Host
-
-
 def kahan_init(
     params: Any, *, rounding: Rounding = "nearest", offload: bool = True
 ) -> Residuals:
@@ -241,19 +241,32 @@ def kahan_apply_updates(
     Array(1.01, dtype=float32)
   """
   bits.check_rounding(rounding)
-  _check_residuals(params, residuals)
+  lows = _check_residuals(params, residuals)
+  treedef = jax.tree.structure(params, is_leaf=_is_none)
 
-  def apply_leaf(path, p, u, lo):
-    if p is None:
-      return None, None
-    if lo is None:
-      return (p + u).astype(p.dtype), None
-    on_host = _on_host(lo)
-    x = bits.merge_float32(p, to_device(lo) if on_host else lo, rounding)
-    hi, new_lo = bits.split_float32(x + u.astype(jnp.float32), rounding)
-    return hi, to_host(new_lo) if on_host else new_lo
+  def apply_all(leaves, _):
+    # Leaf by leaf; on a GPU, stage_by_leaf brings the host residuals in one
+    # leaf ahead instead of all at once.
+    new_params, new_lows = [], []
+    for p, u, lo in leaves:
+      if p is None or lo is None:
+        new_params.append(None if p is None else (p + u).astype(p.dtype))
+        new_lows.append(None)
+        continue
+      x = bits.merge_float32(p, to_device(lo) if on_host(lo) else lo,
+                             rounding)
+      hi, lo = bits.split_float32(x + u.astype(jnp.float32), rounding)
+      new_params.append(hi)
+      new_lows.append(lo)
+    return new_params, new_lows, ()
 
-  return _unzip(_map(apply_leaf, params, updates, residuals), params)
+  new_params, new_lows, _ = stage_by_leaf(
+      apply_all, list(zip(treedef.flatten_up_to(params),
+                          _leaves_like(params, updates, "updates"), lows)),
+      ())
+  new_lows = [to_host(new) if lo is not None and on_host(lo) else new
+              for lo, new in zip(lows, new_lows)]
+  return treedef.unflatten(new_params), treedef.unflatten(new_lows)
 
 
 def kahan_from_float32(
@@ -318,7 +331,7 @@ def kahan_to_float32(
       return p.astype(jnp.promote_types(p.dtype, jnp.float32))
     if lo is None:
       return p
-    return bits.merge_float32(p, to_device(lo) if _on_host(lo) else lo,
+    return bits.merge_float32(p, to_device(lo) if on_host(lo) else lo,
                               rounding)
 
   return _map(merge_leaf, params, residuals)
@@ -365,14 +378,27 @@ def kahan(
   float32 weights, e.g. ``params, residuals = kahan_from_float32(w32)``, and
   the inner state is initialized from them too (Prodigy's ``x0``, say).
 
+  Residual staging on a GPU: lowered for a GPU, the step above is traced
+  once on the whole tree and its equations run in a chain of optimization
+  barriers (``optax_kahan.staging.stage_by_leaf``): each host residual is
+  copied in once the leaf two before it is done and its own gradient
+  exists, and copied back right after its split, so about two leaves'
+  residuals are on the device at once instead of all of them, and each copy
+  overlaps the previous leaf's update. The arithmetic is the whole-tree
+  step's, bit for bit (shared scalars such as a bias correction or
+  Prodigy's ``d`` are computed once). An inner transformation whose shared
+  values read the weights (Prodigy's ``<g, x0 - x>``) copies each residual
+  in twice, once for those values and once for the update. Lowered for the
+  CPU, the step runs as written.
+
   Scratch memory: XLA:CPU keeps every leaf's float32 temporaries of this
   step alive at once (about 6 B/param with ``optax.adamw``). With ``inner``
   a ``LeafwiseTransformation`` (``leafwise(tx)``, ``prodigy(leafwise=True)``,
   ...) each leaf's merge, inner update and split run as one row of
   ``for_each_leaf``, ordered after the previous leaf's, with the same
   results; on the CPU the scratch is then about one leaf's (at most 16 B per
-  element of the largest leaf), and on a GPU the host residuals are staged
-  one leaf ahead instead of all at once (``benchmarks/gpu_compile.py``).
+  element of the largest leaf); on a GPU it stages the residuals as the
+  default step does (``benchmarks/gpu_compile.py``).
 
   Donation: params and state can be donated to the jitted step. The residuals
   travel between host and device inside it, so XLA does not alias their
@@ -438,14 +464,8 @@ def kahan(
     # The exact float32 weight merge(p, lo); wide leaves (lo None) as they are.
     if lo is None:
       return p
-    return bits.merge_float32(p, to_device(lo) if _on_host(lo) else lo,
+    return bits.merge_float32(p, to_device(lo) if on_host(lo) else lo,
                               rounding)
-
-  def land(p, lo, new_x):
-    # The delta that apply_updates turns into the bf16 part of new_x, and the
-    # new residual, sent back to the memory the old one came from.
-    hi, new_lo = bits.split_float32(new_x, rounding)
-    return landing_delta(p, hi), to_host(new_lo) if _on_host(lo) else new_lo
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
@@ -455,20 +475,38 @@ def kahan(
     _check_memory(params, _check_residuals(params, state.residuals), offload)
     if isinstance(inner, LeafwiseTransformation):
       return leafwise_update(updates, state, params, extra_args)
-    x32 = _map(lambda path, p, lo: exact(p, lo), params, state.residuals)
-    u, inner_state = inner.update(_upcast(updates), state.inner_state, x32,
-                                  **extra_args)
+    treedef = jax.tree.structure(params, is_leaf=_is_none)
+    grads_def = jax.tree.structure(updates, is_leaf=_is_none)
 
-    def step_leaf(path, p, x, u, lo):
-      if p is None or u is None:
-        return None, lo
-      if lo is None:
-        return u, None
-      return land(p, lo, x + u.astype(jnp.float32))
+    def whole_tree(leaves, inner_state):
+      # merge, inner.update on the whole tree, split: (deltas, new device
+      # residuals, new inner state), for stage_by_leaf.
+      x32 = [exact(p, lo) for _, p, lo in leaves]
+      grads = _upcast(grads_def.unflatten([g for g, _, _ in leaves]))
+      u, inner_state = inner.update(grads, inner_state,
+          treedef.unflatten(x32), **extra_args)
+      deltas, new_lows = [], []
+      for (_, p, lo), x, u in zip(leaves, x32, treedef.flatten_up_to(u)):
+        if p is None or u is None:
+          delta = None
+        elif lo is None:
+          delta = u
+        else:
+          hi, lo = bits.split_float32(x + u.astype(jnp.float32), rounding)
+          delta = landing_delta(p, hi)
+        deltas.append(delta)
+        new_lows.append(lo)
+      return deltas, new_lows, inner_state
 
-    deltas, residuals = _unzip(
-        _map(step_leaf, params, x32, u, state.residuals), params)
-    return deltas, KahanState(residuals, inner_state)
+    lows = treedef.flatten_up_to(state.residuals)
+    grads = _leaves_like(params, updates, "updates")
+    deltas, new_lows, inner_state = stage_by_leaf(
+        whole_tree, list(zip(grads, treedef.flatten_up_to(params), lows)),
+        state.inner_state)
+    residuals = [to_host(new) if lo is not None and on_host(lo) else new
+                 for lo, new in zip(lows, new_lows)]
+    return (treedef.unflatten(deltas),
+            KahanState(treedef.unflatten(residuals), inner_state))
 
   def decode(g, p_lo):
     # One leaf's float32 gradient and exact float32 weight, inside its row.
@@ -497,7 +535,7 @@ def kahan(
 
     outs = for_each_leaf(leaf, grads, plan.leaf_states, p_lo)
     deltas = [delta for delta, _ in outs]
-    new_lows = [to_host(new_lo) if lo is not None and _on_host(lo) else new_lo
+    new_lows = [to_host(new_lo) if lo is not None and on_host(lo) else new_lo
                 for lo, (_, (new_lo, _)) in zip(lows, outs)]
     return (jax.tree.unflatten(treedef, deltas),
             KahanState(jax.tree.unflatten(treedef, new_lows),
@@ -518,7 +556,7 @@ def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
   """
   misplaced = [path for (path, _), lo in zip(_leaves_with_paths(params), lows)
                if lo is not None and not isinstance(lo, optax.MaskedNode)
-               and _on_host(lo) != offload]
+               and on_host(lo) != offload]
   if misplaced:
     where, want = (("device", "host (pinned_host)") if offload
                    else ("host", "device"))

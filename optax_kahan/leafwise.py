@@ -73,13 +73,15 @@ couples leaves (``optax.clip_by_global_norm`` anywhere in a chain) is refused.
 Costs: the leaves run in sequence (the CPU step time is measured by
 ``benchmarks/step_memory.py``; the GPU programs by
 ``benchmarks/gpu_compile.py``). On a GPU, inside ``kahan``, this bounds the
-staged residuals: in an optimizer step, and in a whole training step whose
-blocks run in a ``lax.scan``. With unrolled blocks under ``jax.checkpoint``
+staged residuals, as ``kahan``'s default whole-tree step does too
+(``optax_kahan.staging``): the GPU programs of the two stage the same bytes,
+and the bound that ``leafwise`` adds is the CPU's scratch. With unrolled
+blocks under ``jax.checkpoint``
 any host copy in the program (a residual's) lets XLA:GPU's latency-hiding
 scheduler move the blocks' recomputed forward passes early, which costs
 more activation memory than the residuals save (measured; see the README).
 
-Layering: like ``bits``, this module depends on nothing else in the package;
+Layering: this module depends only on ``staging`` (the barrier helpers);
 ``kahan`` and ``scale_by_prodigy`` build on it.
 
 References:
@@ -96,6 +98,9 @@ import jax
 import jax.extend as jex
 import jax.numpy as jnp
 import optax
+
+from optax_kahan.staging import stage
+from optax_kahan.staging import tie
 
 LeafUpdate = Callable[[Any, Any, Any], tuple[Any, Any]]
 
@@ -152,36 +157,6 @@ class LeafwiseTransformation(optax.GradientTransformationExtraArgs):
 def identity_decode(g: Any, x: Any) -> tuple[Any, Any]:
   """The ``decode`` of plain leaves: gradient and params as they are."""
   return g, x
-
-
-def _on_host(x: Any) -> bool:
-  return (isinstance(x, (jax.Array, jax.core.Tracer))
-          and jax.typeof(x).memory_space == jax.memory.Space.Host)
-
-
-def _stage(row: Any) -> Any:
-  """Brings the row's arrays that live in host memory into device memory."""
-  return jax.tree.map(
-      lambda x: jax.device_put(x, jax.memory.Space.Device) if _on_host(x)
-      else x, row)
-
-
-def _tie(x: Any, token: jax.Array,
-         scalars: bool = True) -> tuple[Any, jax.Array]:
-  """``x`` and ``token`` through one optimization barrier.
-
-  Whatever reads the returned arrays runs after ``token`` exists, and the
-  returned token exists only once all of ``x`` does. With ``scalars=False``
-  the scalars of ``x`` stay outside: a row's inputs such as a step count or
-  a bias correction, shared by all leaves, are then computed once, as in the
-  whole-tree program.
-  """
-  flat, treedef = jax.tree.flatten(x)
-  tied = [i for i, a in enumerate(flat) if scalars or jnp.ndim(a) > 0]
-  out, token = jax.lax.optimization_barrier(([flat[i] for i in tied], token))
-  for i, a in zip(tied, out):
-    flat[i] = a
-  return treedef.unflatten(flat), token
 
 
 def for_each_leaf(fn: Callable[..., tuple[Any, Any]],
@@ -248,10 +223,10 @@ def _chain(fn: Callable[..., Any], rows: list[Any]) -> list[Any]:
   token = jax.lax.optimization_barrier(jnp.zeros([], jnp.int32))
   prev = token  # the token of the row before the last
   for row in rows:
-    staged, _ = _tie(row, prev, scalars=False)
-    row, _ = _tie(_stage(staged), token, scalars=False)
+    staged, _ = tie(row, prev, scalars=False)
+    row, _ = tie(stage(staged), token, scalars=False)
     free, chained = fn(*row)
-    chained, new = _tie(chained, token)
+    chained, new = tie(chained, token)
     outs.append((free, chained))
     prev, token = token, new
   return outs

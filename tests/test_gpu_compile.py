@@ -3,7 +3,7 @@
 Runs ``python -m benchmarks.gpu_compile --quick --check --target h200`` in a
 child process (the compiler needs ``JAX_PLATFORMS=cpu`` set before jax is
 imported): no conditional in any step, and bounded residual staging with
-the offload saving for the leafwise steps. Needs the ``gpu-aot`` extra (jax's
+the offload saving for every kahan step, the default one included. Needs the ``gpu-aot`` extra (jax's
 CUDA plugin); without it the test is skipped, unless
 ``OPTAX_KAHAN_REQUIRE_GPU_AOT=1`` (CI sets it) makes that a failure.
 """
@@ -49,14 +49,23 @@ def test_check_fails_on_conditionals_staging_and_a_small_saving():
               conditionals=3, h2d_copies=9, staging_in_largest_leaves=5,
               peak_B_per_param=13.0),
           "kahan(leafwise(optax.adamw)), offload=False": _row(
-              peak_B_per_param=14.0)}
+              peak_B_per_param=14.0),
+          # the default whole-tree step, staging every residual at once
+          "kahan(optax.adamw)": _row(h2d_copies=9,
+                                     staging_in_largest_leaves=18,
+                                     peak_B_per_param=14.2),
+          "kahan(optax.adamw), offload=False": _row(peak_B_per_param=14.0)}
   table = {"shapes": "Optimizer step on test shapes", "rows": rows,
            "offload_saving": gpu_compile.offload_savings(rows)}
   failures = gpu_compile.check(table)
-  assert len(failures) == 3, failures
+  assert len(failures) == 5, failures
   assert "conditionals" in failures[0]
   assert "stages 5.0" in failures[1]
   assert "saves 1.00" in failures[2]
+  assert "kahan(optax.adamw) stages 18.0" in failures[3]
+  assert "saves -0.20" in failures[4]
+  scanned = {**table, "shapes": "Whole training step, stacked, lax.scan"}
+  assert [f for f in gpu_compile.check(scanned) if "less than 1.9" in f]
 
 
 def test_schedule_report_reads_staging_through_tuples():
