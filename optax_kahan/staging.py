@@ -12,8 +12,9 @@ leaves, split), and adds the data dependencies that bound the copies. It
 traces ``fn`` once into a jaxpr and labels each equation by
 
 * ``R``: the leaves whose host inputs it reads, and
-* ``F``: the outputs it feeds: leaf ``i``'s outputs, or shared ones (a step
-  count, Prodigy's ``d``, a state entry that reads no leaf or several).
+* ``F``: the outputs it feeds: leaf ``i``'s outputs (a state entry computed
+  from leaf ``i``'s inputs alone, such as Adam's moments of it, counts as
+  one), or shared ones (a step count, Prodigy's ``d``).
 
 It then evaluates the same equations in two passes, with barriers
 (``tie(x, t)``: one ``lax.optimization_barrier`` over ``x`` and ``t``)::
@@ -27,6 +28,7 @@ It then evaluates the same equations in two passes, with barriers
   the shared equations that read several leaves
   pass 2, for each leaf i:
     host_i = tie((host_i, other inputs of leaf i), token_{k-1})
+    own_i = tie(the other inputs that only leaf i reads, token_k)
     the equations that feed only leaf i's outputs, and those with R = {i}
     that they read (recomputed from this copy, not kept from pass 1)
     chained_i, token_{k+1} = tie(chained_i, token_k)
@@ -34,9 +36,11 @@ It then evaluates the same equations in two passes, with barriers
 Row ``k``'s host inputs are copied in once row ``k - 2`` is done and the
 leaf's other inputs exist (a gradient made by the backward pass: no copy
 waits on the device through it), so the copy overlaps row ``k - 1``'s work,
-and about two leaves' host inputs are on the device at once. The ``free``
-outputs (``kahan``'s deltas) are not tied, so XLA fuses them into
-``optax.apply_updates``.
+and about two leaves' host inputs are on the device at once. A leaf's own
+work (its moments, its update) starts once the previous row is done, so one
+row's temporaries are dead before the next row's are made, as in
+``leafwise``'s chain. The ``free`` outputs (``kahan``'s deltas) are not
+tied, so XLA fuses them into ``optax.apply_updates``.
 
 Same arithmetic: every equation is the traced one, bound with its own
 parameters, and shared values (a bias correction, ``d``) are computed once
@@ -170,8 +174,8 @@ def stage_by_leaf(fn: Callable[[list[Any], Any], tuple[list, list, Any]],
   it). ``common`` is the rest (an optimizer state). ``fn`` returns
   ``(free, chained, shared)``: ``free`` and ``chained`` lists with one entry
   (a pytree) per leaf, and ``shared`` any pytree (a new optimizer state).
-  An entry of ``shared`` that reads one leaf's host inputs only is chained
-  with that leaf; the values are ``fn``'s.
+  An entry of ``shared`` computed from one leaf's inputs (and ``common``) is
+  chained with that leaf; the values are ``fn``'s.
 
   Args:
     fn: the whole-tree step.
@@ -209,7 +213,7 @@ def _chain(fn: Callable, leaves: list[Any], common: Any) -> Any:
   owner = [i for i, x in enumerate(leaves) for _ in jax.tree.leaves(x)]
   owner += [SHARED] * (len(jaxpr.invars) - len(owner))
   host: dict[int, list[Any]] = {}   # leaf -> keys of its host inputs
-  other: dict[int, list[Any]] = {}  # leaf -> its other array inputs
+  other: dict[int, list[Any]] = {}  # leaf -> keys of its other array inputs
   for v, i, x in zip(jaxpr.invars, owner, jax.tree.leaves((leaves, common))):
     names[v] = k = object()
     env[k] = x
@@ -217,20 +221,30 @@ def _chain(fn: Callable, leaves: list[Any], common: Any) -> Any:
       reads[k] = frozenset([i])
       host.setdefault(i, []).append(k)
     elif i != SHARED and jnp.ndim(x) > 0:
-      other.setdefault(i, []).append(x)
+      other.setdefault(i, []).append(k)
   _flatten(jaxpr, names, reads, env, ops)
   r_of = lambda k: frozenset() if _is_literal(k) else reads.get(k, frozenset())
   outs = [v if _is_literal(v) else names[v] for v in jaxpr.outvars]
   out_keys = {k for k in outs if not _is_literal(k)}
 
+  # owned[k]: the leaves whose inputs of any kind the value k reads.
+  owned = {names[v]: frozenset([i]) for v, i in zip(jaxpr.invars, owner)
+           if i != SHARED}
+  for op in ops:
+    r = frozenset().union(*(owned.get(k, frozenset()) for k in op.ins
+                            if not _is_literal(k)))
+    owned.update((k, r) for k in op.outs if r)
+
   # Output labels: leaf i for free[i] and chained[i]; an entry of shared that
-  # reads one leaf's host inputs is chained with that leaf, the rest shared.
+  # reads one leaf's inputs (with common ones: Adam's moments of the leaf) is
+  # chained with that leaf, the rest (a step count, d) are shared.
   free, chained, _ = shape
   n_free = len(jax.tree.leaves(free))
   label = [i for i, x in enumerate(free) for _ in jax.tree.leaves(x)]
   label += [i for i, x in enumerate(chained) for _ in jax.tree.leaves(x)]
-  label += [next(iter(r_of(k))) if len(r_of(k)) == 1 else SHARED
-            for k in outs[len(label):]]
+  for k in outs[len(label):]:
+    r = frozenset() if _is_literal(k) else owned.get(k, frozenset())
+    label.append(next(iter(r)) if len(r) == 1 else SHARED)
 
   # F: the labels of the outputs each equation feeds (one with effects is
   # kept as shared); R: the leaves whose host inputs it reads.
@@ -288,8 +302,17 @@ def _chain(fn: Callable, leaves: list[Any], common: Any) -> Any:
     # before the last is done and the leaf's other inputs exist.
     read = {k for j in js for k in ops[j].ins if not _is_literal(k)}
     keys = [k for k in host.get(i, ()) if k in read]
-    (values, _), _ = tie(([env[k] for k in keys], other.get(i, [])), prev)
+    deps = [env[k] for k in other.get(i, ())]
+    (values, _), _ = tie(([env[k] for k in keys], deps), prev)
     return dict(zip(keys, values))
+
+  def wait(i: int, js: list[int]) -> dict:
+    # Leaf i's other inputs that only equations js read (its gradient), so
+    # that its work starts once the previous row is done.
+    mine = set(js)
+    keys = [k for k in other.get(i, ())
+            if all(r in mine for r in readers.get(k, ()))]
+    return dict(zip(keys, tie([env[k] for k in keys], token)[0]))
 
   def advance(values: list[Any]) -> list[Any]:
     # The row's chained values, and the token that the next rows wait for.
@@ -316,7 +339,8 @@ def _chain(fn: Callable, leaves: list[Any], common: Any) -> Any:
   values = [None] * len(outs)
   for i in sorted(own):
     js = needed[i]
-    local = evaluate(js, bring(i, js) if i in host else {})
+    local = {**bring(i, js), **wait(i, js)} if i in host else {}
+    evaluate(js, local)
     for m in own[i]:
       k = outs[m]
       values[m] = (k.val if _is_literal(k) else
