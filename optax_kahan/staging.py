@@ -329,11 +329,20 @@ def _chain(fn: Callable, leaves: list[Any], common: Any) -> Any:
 
   evaluate([j for j in shared if not op_reads[j]], env)
   for i, group in sorted(groups.items()):
-    local = evaluate(group, bring(i, group))
     inside = set(group) | set(needed.get(i, ()))
-    escaping = [k for j in group for k in ops[j].outs if k in out_keys
+    escaping = [(k, v.aval) for j in group
+                for k, v in zip(ops[j].outs, ops[j].eqn.outvars)
+                if k in out_keys
                 or any(r not in inside for r in readers.get(k, ()))]
-    env.update(zip(escaping, advance([local[k] for k in escaping])))
+    if any(aval.shape for _, aval in escaping):
+      # Arrays, not statistics, leave the row (a lax.cond over the whole
+      # tree reads the float32 weights): tied, each would be written out
+      # whole and kept; untied, XLA fuses the row into its reader.
+      evaluate(group, env)
+      continue
+    local = evaluate(group, bring(i, group))
+    keys = [k for k, _ in escaping]
+    env.update(zip(keys, advance([local[k] for k in keys])))
   evaluate([j for j in shared if len(op_reads[j]) > 1], env)
 
   values = [None] * len(outs)
