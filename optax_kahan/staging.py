@@ -52,9 +52,10 @@ Costs: a transformation whose shared values read the weights (Prodigy's
 ``<g, x0 - x>``) copies each host input in twice, once per pass: three
 copies per residual and step instead of two, with the staging still
 bounded. Control flow over the whole tree (``optax.apply_if_finite``'s
-``lax.cond``) is one equation that reads every leaf: correct, but all its
-operands (``kahan``'s float32 weights) are on the device at once, as they
-are without the chain.
+``lax.cond``) is one equation that reads every leaf's float32 weight: the
+first pass then leaves those rows untied (tied, each weight would be written
+out whole and kept until the ``cond``), so their residuals are all staged at
+once, as without the chain.
 
 The chain is lowered for GPUs and other backends; lowered for the CPU, where
 memory kinds are bookkeeping and a copy is free, ``fn`` runs as it is
