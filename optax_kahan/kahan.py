@@ -177,6 +177,12 @@ def to_device(x: jax.Array) -> jax.Array:
   return jax.device_put(x, jax.memory.Space.Device)
 
 
+def _back_where_from(lows: list[Any], new_lows: list[Any]) -> list[Any]:
+  """Each new residual sent to the memory its old one came from."""
+  return [to_host(new) if lo is not None and on_host(lo) else new
+          for lo, new in zip(lows, new_lows)]
+
+
 def kahan_init(
     params: Any, *, rounding: Rounding = "nearest", offload: bool = True
 ) -> Residuals:
@@ -264,9 +270,8 @@ def kahan_apply_updates(
       apply_all, list(zip(treedef.flatten_up_to(params),
                           _leaves_like(params, updates, "updates"), lows)),
       ())
-  new_lows = [to_host(new) if lo is not None and on_host(lo) else new
-              for lo, new in zip(lows, new_lows)]
-  return treedef.unflatten(new_params), treedef.unflatten(new_lows)
+  return (treedef.unflatten(new_params),
+          treedef.unflatten(_back_where_from(lows, new_lows)))
 
 
 def kahan_from_float32(
@@ -383,8 +388,8 @@ def kahan(
   barriers (``optax_kahan.staging.stage_by_leaf``): each host residual is
   copied in once the leaf two before it is done and its own gradient
   exists, and copied back right after its split, so about two leaves'
-  residuals are on the device at once instead of all of them, and each copy
-  overlaps the previous leaf's update. The arithmetic is the whole-tree
+  residuals are on the device at once instead of all of them, and a copy
+  may overlap the previous leaf's update. The arithmetic is the whole-tree
   step's, bit for bit (shared scalars such as a bias correction or
   Prodigy's ``d`` are computed once). An inner transformation whose shared
   values read the weights (Prodigy's ``<g, x0 - x>``) copies each residual
@@ -484,7 +489,7 @@ def kahan(
       x32 = [exact(p, lo) for _, p, lo in leaves]
       grads = _upcast(grads_def.unflatten([g for g, _, _ in leaves]))
       u, inner_state = inner.update(grads, inner_state,
-          treedef.unflatten(x32), **extra_args)
+                                    treedef.unflatten(x32), **extra_args)
       deltas, new_lows = [], []
       for (_, p, lo), x, u in zip(leaves, x32, treedef.flatten_up_to(u)):
         if p is None or u is None:
@@ -503,10 +508,9 @@ def kahan(
     deltas, new_lows, inner_state = stage_by_leaf(
         whole_tree, list(zip(grads, treedef.flatten_up_to(params), lows)),
         state.inner_state)
-    residuals = [to_host(new) if lo is not None and on_host(lo) else new
-                 for lo, new in zip(lows, new_lows)]
     return (treedef.unflatten(deltas),
-            KahanState(treedef.unflatten(residuals), inner_state))
+            KahanState(treedef.unflatten(_back_where_from(lows, new_lows)),
+                       inner_state))
 
   def decode(g, p_lo):
     # One leaf's float32 gradient and exact float32 weight, inside its row.
@@ -535,8 +539,7 @@ def kahan(
 
     outs = for_each_leaf(leaf, grads, plan.leaf_states, p_lo)
     deltas = [delta for delta, _ in outs]
-    new_lows = [to_host(new_lo) if lo is not None and on_host(lo) else new_lo
-                for lo, (_, (new_lo, _)) in zip(lows, outs)]
+    new_lows = _back_where_from(lows, [new_lo for _, (new_lo, _) in outs])
     return (jax.tree.unflatten(treedef, deltas),
             KahanState(jax.tree.unflatten(treedef, new_lows),
                        plan.finish([s for _, (_, s) in outs])))

@@ -76,10 +76,10 @@ Costs: the leaves run in sequence (the CPU step time is measured by
 staged residuals, as ``kahan``'s default whole-tree step does too
 (``optax_kahan.staging``): the GPU programs of the two stage the same bytes,
 and the bound that ``leafwise`` adds is the CPU's scratch. With unrolled
-blocks under ``jax.checkpoint``
-any host copy in the program (a residual's) lets XLA:GPU's latency-hiding
-scheduler move the blocks' recomputed forward passes early, which costs
-more activation memory than the residuals save (measured; see the README).
+blocks under ``jax.checkpoint`` any host copy in the program (a residual's)
+lets XLA:GPU's latency-hiding scheduler move the blocks' recomputed forward
+passes early, which costs more activation memory than the residuals save
+(measured; see the README).
 
 Layering: this module depends only on ``staging`` (the barrier helpers);
 ``kahan`` and ``scale_by_prodigy`` build on it.
