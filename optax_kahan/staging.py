@@ -129,16 +129,20 @@ def _flatten(jaxpr: Any, names: dict, reads: dict, env: dict,
   that a jaxpr inlined twice gets distinct values); ``reads[k]`` is the set
   of leaves whose host inputs the value ``k`` reads (R), the union of its
   equation's inputs'. A ``jit`` call that reads two leaves or more is
-  inlined, so that its body is labelled equation by equation; any other
-  equation is one unit. The constants of inlined calls go into ``env``.
+  inlined, so that its body is labelled equation by equation; so is a
+  ``custom_jvp_call`` (``bits``' straight-through split and merge), whose
+  rule matters to differentiation only and whose evaluation would trace its
+  body again (most of the chain's trace time). Any other equation is one
+  unit. The constants of inlined calls go into ``env``.
   """
   for eqn in jaxpr.eqns:
     ins = [v if _is_literal(v) else names[v] for v in eqn.invars]
     r = frozenset().union(*(reads.get(k, frozenset()) for k in ins
                             if not _is_literal(k)))
-    body = eqn.params.get("jaxpr")
-    if (eqn.primitive.name == "jit" and len(r) > 1
-        and isinstance(body, jex.core.ClosedJaxpr)):
+    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(body, jex.core.ClosedJaxpr) and (
+        (eqn.primitive.name == "jit" and len(r) > 1)
+        or eqn.primitive.name == "custom_jvp_call"):
       sub = dict(zip(body.jaxpr.invars, ins))
       for v, c in zip(body.jaxpr.constvars, body.consts):
         sub[v] = object()
