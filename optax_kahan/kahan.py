@@ -31,7 +31,7 @@ References:
 from __future__ import annotations
 
 import warnings
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
