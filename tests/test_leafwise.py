@@ -11,6 +11,7 @@ import pytest
 
 import optax_kahan as ok
 from benchmarks import step_memory
+import _steps
 
 SHAPES = {"a": (33, 17), "b": (17,), "c": (8, 5, 6), "d": (40, 24)}
 STEPS = 5
@@ -314,19 +315,7 @@ def test_the_gpu_form_of_the_chain_computes_the_same(name, monkeypatch):
 
   def run(tx):
     params = jax.device_put(_params(jnp.bfloat16), jax.devices()[0])
-    state = tx.init(params)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, state, grads):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    for i in range(STEPS):
-      params, state = step(params, state, _grads(params, i))
-    residuals = ok.kahan_residuals(state)
-    assert all(r.sharding.memory_kind == "pinned_host"
-               for r in jax.tree.leaves(residuals))
-    return ok.kahan_to_float32(params, residuals)
+    return _steps.train(tx, params, _grads, STEPS)[0]
 
   want = run(KAHAN[name](True))
   monkeypatch.setattr(leafwise_lib, "_islands", leafwise_lib._chain)

@@ -9,7 +9,6 @@ runs its bit-identity test on the chain too). What the chain does
 to a GPU program's staging is checked by ``tests/test_gpu_compile.py``.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 
+import _steps
 import optax_kahan as ok
 from optax_kahan import staging
 
@@ -51,20 +51,7 @@ def _bits(tree):
 
 
 def _train(tx, steps=STEPS):
-  params = _params()
-  state = tx.init(params)
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  for i in range(steps):
-    params, state = step(params, state, _grads(params, i))
-  residuals = ok.kahan_residuals(state)
-  assert all(r.sharding.memory_kind == "pinned_host"
-             for r in jax.tree.leaves(residuals))
-  return ok.kahan_to_float32(params, residuals), state
+  return _steps.train(tx, _params(), _grads, steps)
 
 
 INNER = {
