@@ -61,6 +61,9 @@ def setups() -> list[Setup]:
     rows.append(Setup(f"{name} on bf16", make, bf16))
     rows.append(Setup(f"kahan({name}) on bf16",
                       lambda make=make: ok.kahan(make()), bf16))
+  rows.append(Setup(
+      "kahan(prodigy_factored(state_dtype=bf16)) on bf16",
+      lambda: ok.kahan(ok.prodigy_factored(state_dtype=bf16)), bf16))
   return rows
 
 

@@ -15,7 +15,12 @@ float32 trajectory bit for bit. This script shows it in a few minutes on a CPU::
 Outputs go to ``outputs/finetune_diffusion``.) On 2 idle CPU cores the first
 run takes about 2.3 minutes (40% of it pretraining, then cached) and a second
 run about 1.3 minutes; ``--optimizer adafactor|prodigy|prodigy_factored`` swaps
-the polish optimizer.
+the polish optimizer. ``--blockwise`` runs the polish through
+``optax_kahan.blockwise_step``: the UNet as an encoder, a stack of one middle
+block and a decoder, each part updated inside the backward pass (Prodigy with
+``lagged_d=True``); every rule then steps bf16 weights (the float32 rule's
+master weights are state of ``master_weights``), so all of them take their
+gradients from the same program, and the table is the ordinary one's.
 
 The model and the math
 ----------------------
@@ -233,15 +238,35 @@ class UNet(nnx.Module):
     self.conv_out = nnx.Conv(c, 1, (3, 3), dtype=_F32, rngs=rngs)
 
   def __call__(self, x: jax.Array, t: jax.Array) -> jax.Array:
-    emb = self.t2(nnx.silu(self.t1(time_embedding(t, self.width))))
-    h1 = self.down1(self.conv_in(x), emb)
-    h2 = self.down2(self.downsample(h1), emb)
-    h = self.mid(h2, emb)
-    h = self.up2(jnp.concatenate([h, h2], axis=-1), emb)
-    b, hh, ww, ch = h.shape
-    h = jax.image.resize(h, (b, 2 * hh, 2 * ww, ch), "nearest")
-    h = self.up1(jnp.concatenate([self.upsample(h), h1], axis=-1), emb)
-    return self.conv_out(nnx.silu(self.norm_out(h)))
+    part = lambda name: getattr(self, name)
+    h2, (emb, h1, _) = encode(part, x, t, self.width)
+    return decode(part, self.mid(h2, emb), (emb, h1, h2))
+
+
+# The UNet as embed -> blocks -> head, for ``--blockwise``: the encoder and
+# the decoder around the middle block, which is a stack of one block.
+ENCODER = ("t1", "t2", "conv_in", "down1", "downsample", "down2")
+DECODER = ("up2", "upsample", "up1", "norm_out", "conv_out")
+
+
+def encode(part: Callable[[str], Any], x: jax.Array, t: jax.Array,
+           width: int) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+  """Time embedding and the down path: ``(h2, (emb, h1, h2))``."""
+  emb = part("t2")(nnx.silu(part("t1")(time_embedding(t, width))))
+  h1 = part("down1")(part("conv_in")(x), emb)
+  h2 = part("down2")(part("downsample")(h1), emb)
+  return h2, (emb, h1, h2)
+
+
+def decode(part: Callable[[str], Any], h: jax.Array,
+           skips: tuple[jax.Array, ...]) -> jax.Array:
+  """The up path from the middle block's output and the skips."""
+  emb, h1, h2 = skips
+  h = part("up2")(jnp.concatenate([h, h2], axis=-1), emb)
+  b, hh, ww, ch = h.shape
+  h = jax.image.resize(h, (b, 2 * hh, 2 * ww, ch), "nearest")
+  h = part("up1")(jnp.concatenate([part("upsample")(h), h1], axis=-1), emb)
+  return part("conv_out")(nnx.silu(part("norm_out")(h)))
 
 
 def model_def(width: int) -> tuple[nnx.GraphDef, Params]:
@@ -359,7 +384,8 @@ class PretrainConfig:
   def cache_key(self) -> str:
     """Hash of this config and of the model/loss/pretrain source code."""
     src = "".join(inspect.getsource(f) for f in (
-        _groups, time_embedding, ResBlock, UNet, model_def, init_params,
+        _groups, time_embedding, ResBlock, UNet, encode, decode, model_def,
+        init_params,
         flow_matching_loss, draw_batch, loss_and_grad, load_digits_split,
         _pretrain_optimizer, _pretrain_run))
     blob = json.dumps(dataclasses.asdict(self), sort_keys=True) + src
@@ -446,16 +472,20 @@ def pretrain(cfg: PretrainConfig, train: np.ndarray, out: pathlib.Path, *,
 # The four update rules
 
 
-def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
-  """The polish optimizer: ``adamw``, ``adafactor``, ``prodigy(_factored)``."""
+def make_optimizer(name: str, lr: float,
+                   lagged_d: bool = False) -> optax.GradientTransformation:
+  """The polish optimizer: ``adamw``, ``adafactor``, ``prodigy(_factored)``.
+
+  ``lagged_d``: Prodigy's ``d`` one step late, as the blockwise step needs.
+  """
   if name == "adamw":
     return optax.adamw(lr)
   if name == "adafactor":
     return optax.adafactor(lr)
   if name == "prodigy":
-    return ok.prodigy(lr)
+    return ok.prodigy(lr, lagged_d=lagged_d)
   if name == "prodigy_factored":
-    return ok.prodigy_factored(lr)
+    return ok.prodigy_factored(lr, lagged_d=lagged_d)
   raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 
@@ -570,6 +600,128 @@ def make_rule(rule: str, tx: optax.GradientTransformation,
   raise ValueError(f"unknown rule {rule!r}; expected one of {RULES}")
 
 
+def to_groups(params: Params) -> ok.BlockwiseParams:
+  """The UNet's params as encoder, a stack of one middle block, decoder."""
+  return ok.BlockwiseParams(
+      embed={k: params[k] for k in ENCODER},
+      stacks=(jax.tree.map(lambda x: x[None], params["mid"]),),
+      head={k: params[k] for k in DECODER})
+
+
+def from_groups(groups: ok.BlockwiseParams) -> Params:
+  return {**groups.embed, **groups.head,
+          "mid": jax.tree.map(lambda x: x[0], groups.stacks[0])}
+
+
+def blockwise_model(width: int) -> ok.BlockwiseModel:
+  """The UNet's loss as ``encode -> mid -> decode``, each on its own params.
+
+  The batch is ``(x_t, t, target)``; the loss is ``flow_matching_loss``'s.
+  """
+  model = nnx.eval_shape(lambda: UNet(width, rngs=nnx.Rngs(0)))
+  defs = {k: nnx.split(getattr(model, k), nnx.Param)[0]
+          for k in (*ENCODER, "mid", *DECODER)}
+  parts = lambda p: (lambda k: nnx.merge(defs[k], p[k]))
+
+  def embed(p, batch):
+    x_t, t, _ = batch
+    return encode(parts(p), x_t, t, width)
+
+  def mid(p, h, skips):
+    return nnx.merge(defs["mid"], p)(h, skips[0])
+
+  def head(p, h, skips, batch):
+    return jnp.mean(jnp.square(decode(parts(p), h, skips) - batch[2]))
+
+  return ok.BlockwiseModel(embed, (mid,), head)
+
+
+class BlockwiseRule(NamedTuple):
+  """An update rule run by ``ok.blockwise_step``: ``step(state, batch) ->
+  (loss, state)``, the gradient and the update in one program; the other
+  fields as in ``Rule``."""
+  init: Callable[[Params], Any]
+  step: Callable[[Any, Any], tuple[jax.Array, Any]]
+  forward: Callable[[Any], Params]
+  exact: Callable[[Any], Params]
+
+
+class MasterState(NamedTuple):
+  master: Params  # float32
+  inner: optax.OptState
+
+
+def master_weights(tx: optax.GradientTransformation
+                   ) -> optax.GradientTransformation:
+  """The ``float32`` rule as a transformation of the bf16 weights it shows.
+
+  The state holds the float32 master ``m``; an update steps it with ``tx`` on
+  the float32 gradients and returns the delta that lands the bf16 weights on
+  ``hi(m)``. ``--blockwise`` runs the ``float32`` and ``kahan`` rules through
+  the same step on bf16 weights this way, so their gradients come from the
+  same program (one compiled with a float32 forward cast would fuse, and
+  round, differently).
+  """
+  def init(params, master):
+    return MasterState(master, tx.init(master))
+
+  def update(grads, state, params):
+    f32 = jax.tree.map(lambda g: g.astype(_F32), grads)
+    updates, inner = tx.update(f32, state.inner, state.master)
+    master = optax.apply_updates(state.master, updates)
+    delta = jax.tree.map(
+        lambda p, w: jnp.where(w == p, 0.0, w.astype(_F32) - p.astype(_F32)),
+        params, to_bf16(master))
+    return delta, MasterState(master, inner)
+
+  return optax.GradientTransformation(init, update)
+
+
+def make_blockwise_rule(rule: str, tx: optax.GradientTransformation,
+                        key: jax.Array, width: int) -> BlockwiseRule:
+  """``make_rule``'s rules through the blockwise step (``--blockwise``).
+
+  Every rule steps bf16 weights (the ``float32`` rule's master weights are
+  state of ``master_weights``), so that all take their gradients from the
+  same program.
+  """
+  model = blockwise_model(width)
+  wrapped = {"float32": master_weights(tx), "nearest": tx,
+             "kahan": ok.kahan(tx),
+             "stochastic": ok.stochastic_rounding(tx, key)}.get(rule)
+  if wrapped is None:
+    raise ValueError(f"unknown rule {rule!r}; expected one of {RULES}")
+
+  def init(w0):
+    if rule in ("float32", "kahan"):  # from the exact w0, as in make_rule
+      params, residuals = ok.kahan_from_float32(w0)
+      extra = w0 if rule == "float32" else residuals
+      params = to_groups(params)
+      return params, ok.blockwise_init(wrapped, params, to_groups(extra))
+    params = to_groups(to_bf16(w0))
+    return params, ok.blockwise_init(wrapped, params)
+
+  def step(state, batch):
+    loss, params, opt_state = ok.blockwise_step(model, wrapped, *state, batch)
+    return loss, (params, opt_state)
+
+  def exact(state):
+    params, opt_state = state
+    if rule == "float32":
+      return from_groups(ok.BlockwiseParams(
+          opt_state.embed.master, (opt_state.stacks[0].master,),
+          opt_state.head.master))
+    if rule == "kahan":
+      residuals = ok.BlockwiseParams(
+          ok.kahan_residuals(opt_state.embed),
+          (ok.kahan_residuals(opt_state.stacks[0]),),
+          ok.kahan_residuals(opt_state.head))
+      return ok.kahan_to_float32(from_groups(params), from_groups(residuals))
+    return jax.tree.map(lambda x: x.astype(_F32), from_groups(params))
+
+  return BlockwiseRule(init, step, lambda s: from_groups(s[0]), exact)
+
+
 def state_bytes(state: Any) -> tuple[int, int]:
   """(device bytes, host bytes) of every array in ``state``.
 
@@ -599,6 +751,8 @@ class PolishSetup:
   batch_size: int
   seed: int
   eval_every: int = 20
+  blockwise: bool = False
+  width: int = 16
 
 
 @dataclasses.dataclass
@@ -624,11 +778,14 @@ def polish(rule: str, setup: PolishSetup, *,
   function and the held-out set.
   """
   t0 = time.perf_counter()
-  tx = isolate(make_optimizer(setup.optimizer, setup.lr))
+  tx = isolate(make_optimizer(setup.optimizer, setup.lr,
+                              lagged_d=setup.blockwise))
   batch_key = jax.random.key(setup.seed + 1000)
   # An "rbg" key: the library draws stochastic-rounding bits leaf by leaf, and
   # ~50 threefry draws take ~10 s to compile on CPU (rbg: ~4 s).
-  r = make_rule(rule, tx, jax.random.key(setup.seed + 2000, impl="rbg"))
+  sr_key = jax.random.key(setup.seed + 2000, impl="rbg")
+  r = (make_blockwise_rule(rule, tx, sr_key, setup.width) if setup.blockwise
+       else make_rule(rule, tx, sr_key))
 
   # jit(init) puts every array where the step will return it (the Kahan
   # residuals in host memory); committed, they let the step compile once.
@@ -639,12 +796,23 @@ def polish(rule: str, setup: PolishSetup, *,
 
   state, fwd0, changed = commit(jax.jit(start)(setup.pretrained))
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(state, changed, grads, fwd0):
-    state = r.update(state, grads)
+  def track(state, changed, fwd0):
     fwd = r.forward(state)
     changed = jax.tree.map(lambda c, a, b: c | (a != b), changed, fwd, fwd0)
     return state, changed, fwd
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(state, changed, grads, fwd0):
+    return track(r.update(state, grads), changed, fwd0)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def blockwise_step(state, changed, fwd0, i):
+    # The batch of step i, as loss_and_grad draws it, and the loss's inputs.
+    x0, eps, t = draw_batch(jax.random.fold_in(batch_key, i), setup.train,
+                            setup.batch_size)
+    tt = t[:, None, None, None]
+    loss, state = r.step(state, ((1.0 - tt) * x0 + tt * eps, t, eps - x0))
+    return loss, *track(state, changed, fwd0)
 
   grad_kw = dict(graphdef=setup.graphdef, batch_size=setup.batch_size)
   eval_kw = dict(graphdef=setup.graphdef)
@@ -653,9 +821,13 @@ def polish(rule: str, setup: PolishSetup, *,
       heldout_loss(fwd0, *setup.heldout, **eval_kw)]
   bar = _tqdm(range(setup.steps), f"polish {rule:>10}", progress)
   for i in bar:
-    loss, grads = loss_and_grad(fwd, setup.train, batch_key, jnp.int32(i),
-                                **grad_kw)
-    state, changed, fwd = step(state, changed, grads, fwd0)
+    if setup.blockwise:
+      loss, state, changed, fwd = blockwise_step(state, changed, fwd0,
+                                                 jnp.int32(i))
+    else:
+      loss, grads = loss_and_grad(fwd, setup.train, batch_key, jnp.int32(i),
+                                  **grad_kw)
+      state, changed, fwd = step(state, changed, grads, fwd0)
     losses.append(loss)
     if (i + 1) % setup.eval_every == 0 or i + 1 == setup.steps:
       eval_steps.append(i + 1)
@@ -830,6 +1002,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--sample-steps", type=int, default=40,
                  help="Euler steps of the sampler")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--blockwise", action="store_true",
+                 help="polish with ok.blockwise_step: each part's update "
+                 "inside the backward pass (Prodigy with lagged_d)")
   args = p.parse_args(argv)
   rules = [r.strip() for r in args.rules.split(",") if r.strip()]
   bad = [r for r in rules if r not in RULES]
@@ -875,7 +1050,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
   dev = jax.devices()[0]
   print(f"device: {dev.platform} ({dev.device_kind}); optimizer "
         f"{args.optimizer}, lr {args.lr:g}, {args.steps} polish steps, "
-        f"rules {','.join(args.rules)}", flush=True)
+        f"rules {','.join(args.rules)}"
+        f"{', blockwise step' if args.blockwise else ''}", flush=True)
 
   train_np, heldout_np = load_digits_split()
   cfg = PretrainConfig(width=args.width, steps=args.pretrain_steps,
@@ -889,7 +1065,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
       graphdef=graphdef, pretrained=pretrained, train=jnp.asarray(train_np),
       heldout=eval_set(heldout_np), optimizer=args.optimizer, lr=args.lr,
       steps=args.steps, batch_size=args.batch_size, seed=args.seed,
-      eval_every=args.eval_every)
+      eval_every=args.eval_every, blockwise=args.blockwise, width=args.width)
 
   pre_bf16 = to_bf16(pretrained)
   pre_loss = float(heldout_loss(pre_bf16, *setup.heldout, graphdef=graphdef))

@@ -4,6 +4,13 @@ from optax_kahan.alias import prodigy
 from optax_kahan.alias import prodigy_factored
 from optax_kahan.alias import stable_adamw
 from optax_kahan.bits import merge_float32
+from optax_kahan.blockwise import blockwise_init
+from optax_kahan.blockwise import blockwise_loss
+from optax_kahan.blockwise import blockwise_step
+from optax_kahan.blockwise import BlockwiseModel
+from optax_kahan.blockwise import BlockwiseParams
+from optax_kahan.blockwise import BlockwiseState
+from optax_kahan.blockwise import nnx_blockwise
 from optax_kahan.bits import split_float32
 from optax_kahan.kahan import kahan
 from optax_kahan.kahan import kahan_apply_updates
@@ -36,6 +43,9 @@ from optax_kahan.train_state import kahan_train_state
 __version__ = "0.1.0"
 
 __all__ = (
+    "BlockwiseModel",
+    "BlockwiseParams",
+    "BlockwiseState",
     "KahanState",
     "LeafwisePlan",
     "LeafwiseTransformation",
@@ -44,6 +54,9 @@ __all__ = (
     "ScaleBySecondMomentState",
     "ScaleByStableAdamWState",
     "StochasticRoundingState",
+    "blockwise_init",
+    "blockwise_loss",
+    "blockwise_step",
     "for_each_leaf",
     "kahan",
     "kahan_apply_updates",
@@ -55,6 +68,7 @@ __all__ = (
     "kahan_train_state",
     "leafwise",
     "merge_float32",
+    "nnx_blockwise",
     "prodigy",
     "prodigy_d",
     "prodigy_factored",

@@ -71,6 +71,7 @@ def scale_by_factored_second_moment(
     eps2: float = 1e-30,
     *,
     min_dim_size_to_factor: int = 1,
+    state_dtype: Optional[jnp.dtype] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Adafactor's factored second moment as a (Prodigy-rescalable) preconditioner.
 
@@ -90,6 +91,11 @@ def scale_by_factored_second_moment(
     eps2: added to ``g^2`` inside the moments; never scaled by ``d^2``.
     min_dim_size_to_factor: factor a leaf only when both of its last two axes
       have at least this many entries.
+    state_dtype: dtype of the per-element state, ``m`` and the full ``v`` of
+      unfactored leaves (e.g. ``jnp.bfloat16``); None follows the params. The
+      factored row and column statistics keep the params' dtype: they are
+      1/width of the leaf's size, and being means over a whole row or column
+      their per-step change is smooth and would round away in bfloat16.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` accepting the extra args
@@ -129,14 +135,15 @@ def scale_by_factored_second_moment(
     return jnp.zeros_like(jnp.mean(p, axis=-2), dtype=p.dtype)
 
   def init_v(p):
-    return unused(p) if factored(p) else jnp.zeros_like(p)
+    return unused(p) if factored(p) else jnp.zeros_like(p, dtype=state_dtype)
 
   def init_fn(params):
     if validation.is_abstract(params):
       return jax.eval_shape(init_fn, params)
     validation.check_real("scale_by_factored_second_moment", params)
     use_mu = not validation.is_static_zero(b1)
-    mu = optax.tree.zeros_like(params) if use_mu else None
+    mu = (optax.tree.zeros_like(params, dtype=state_dtype) if use_mu
+          else None)
     return ScaleByFactoredSecondMomentState(
         jnp.zeros([], jnp.int32), mu, jax.tree.map(init_row, params),
         jax.tree.map(init_col, params), jax.tree.map(init_v, params))

@@ -77,6 +77,9 @@ class ScaleByProdigyState(NamedTuple):
     s: the weighted sum of (sliced) gradients, one array per leaf.
     params0: the initial params, sliced.
     preconditioner_state: the wrapped preconditioner's state.
+    pending: with ``lagged_d``, this step's sums over the leaves it saw,
+      ``[(d / d0) dlr <g_S, x0_S - x_S>, sum |s|]``, folded into ``d`` at the
+      start of the next step; None otherwise.
   """
   count: chex.Array
   k: chex.Array
@@ -87,6 +90,7 @@ class ScaleByProdigyState(NamedTuple):
   s: optax.Updates
   params0: optax.Params
   preconditioner_state: optax.OptState
+  pending: Optional[chex.Array] = None
 
 
 def _explicit_axes(x: Any) -> tuple[str, ...]:
@@ -168,6 +172,8 @@ def scale_by_prodigy(
     slice_p: int = 1,
     safeguard_warmup: bool = False,
     bias_correction: Optional[tuple[float, float]] = None,
+    lagged_d: bool = False,
+    state_dtype: Optional[jnp.dtype] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Prodigy's step size ``d`` around a preconditioner; returns the final step.
 
@@ -195,6 +201,20 @@ def scale_by_prodigy(
     safeguard_warmup: leave ``lr`` out of ``s`` (helps with warm-up schedules).
     bias_correction: ``(b1, b2)`` to fold Adam's bias correction into ``dlr``,
       or None.
+    lagged_d: use ``d`` one step late, as a fused backward pass must
+      (``optax_kahan.blockwise``): step ``k`` is taken with the ``d_k``
+      known when it starts, and the sums ``r`` and ``s`` of its gradients
+      are folded into ``d_{k+1}`` at the start of step ``k+1``. The step
+      itself is then ``-dlr (P_k + lambda x)`` with ``d_growth = 1``
+      (``eps d_k`` where Prodigy has ``eps d_{k+1}``; with ``b1 = 0``,
+      ``d_k g`` where it has ``d_{k+1} g``), and it is never skipped: with
+      ``sum |s| = 0`` only ``d``, ``r`` and ``k`` stay. ``prodigy_d`` then
+      reads the ``d`` the last step used.
+    state_dtype: dtype of ``s`` and ``x0`` (e.g. ``jnp.bfloat16``); None
+      follows the params. A bfloat16 ``x0`` is exact when the initial
+      weights are bfloat16 (``kahan`` from zero residuals); from float32
+      weights it is rounded, which shifts ``x0`` by up to half a bfloat16
+      ulp. A bfloat16 ``s`` is rounded to nearest at each step.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` (a ``LeafwiseTransformation``
@@ -234,12 +254,38 @@ def scale_by_prodigy(
         k=jnp.zeros([], jnp.int32),
         d=d(), d_prev=d(), d_max=d(),
         numerator=jnp.zeros([], dtype),
-        s=jax.tree.map(lambda p: jnp.zeros_like(_slice(p, slice_p)), params),
+        s=jax.tree.map(lambda p: jnp.zeros_like(_slice(p, slice_p),
+                                                dtype=state_dtype), params),
         params0=jax.tree.map(  # a copy, never the params' own buffer
-            lambda p: jnp.array(_slice(p, slice_p), copy=True), params),
-        preconditioner_state=preconditioner.init(params))
+            lambda p: jnp.array(_slice(p, slice_p), dtype=state_dtype,
+                                copy=True), params),
+        preconditioner_state=preconditioner.init(params),
+        pending=jnp.zeros([2], dtype) if lagged_d else None)
 
   leafwise = isinstance(preconditioner, LeafwiseTransformation)
+
+  def next_d(state, numerator, denom):
+    """``d_{k+1}``, ``d_max`` and ``r`` from the new ``r`` and ``sum |s|``.
+
+    Unchanged (``skip``) when ``sum |s| == 0``.
+    """
+    skip = denom == 0
+    d = state.d
+    d_hat = d_coef * numerator / jnp.where(skip, 1, denom)
+    d_new = jnp.where(d == d0, jnp.maximum(d, d_hat), d)
+    d_max = jnp.maximum(state.d_max, d_hat)
+    d_new = jnp.minimum(d_max, d_new * growth_rate)
+    return (jnp.where(skip, d, d_new), jnp.where(skip, state.d_max, d_max),
+            jnp.where(skip, state.numerator, numerator), skip)
+
+  def fold_pending(state):
+    """With ``lagged_d``: the previous step's sums folded into ``d``."""
+    b3_ = jnp.asarray(b3, state.d.dtype)
+    d, d_max, numerator, skip = next_d(
+        state, b3_ * state.numerator + state.pending[0], state.pending[1])
+    return state._replace(
+        k=jnp.where(skip, state.k, optax.safe_increment(state.k)),
+        d=d, d_prev=state.d, d_max=d_max, numerator=numerator)
 
   def first_pass(grads, state, xs, decode):
     """Everything that sums over all leaves: d, r, s and the step's scalars.
@@ -250,6 +296,9 @@ def scale_by_prodigy(
     leafwise) it computes ``<g_S, x0_S - x_S>``, the new ``s`` and
     ``sum |s|``; the rest is scalar.
     """
+    old_state = state
+    if lagged_d:
+      state = fold_pending(state)
     dtype = state.d.dtype
     k = state.k
     lr = (learning_rate(state.count) if callable(learning_rate)
@@ -278,36 +327,41 @@ def scale_by_prodigy(
     stats = ([chained for _, chained in for_each_leaf(
         lambda *row: (None, leaf_stats(*row)), *rows)] if leafwise
              else [leaf_stats(*row) for row in zip(*rows)])
-    numerator = b3_ * state.numerator + weight * _total(
-        [t[0] for t in stats], dtype)
+    dots = weight * _total([t[0] for t in stats], dtype)
     s = jax.tree.unflatten(jax.tree.structure(state.s), [t[1] for t in stats])
     denom = _total([t[2] for t in stats], dtype)
-
-    skip = denom == 0
-    d_hat = d_coef * numerator / jnp.where(skip, 1, denom)
-    d_new = jnp.where(d == d0, jnp.maximum(d, d_hat), d)
-    d_max = jnp.maximum(state.d_max, d_hat)
-    d_new = jnp.minimum(d_max, d_new * growth_rate)
-    d_new = jnp.where(skip, d, d_new)
-    d_max = jnp.where(skip, state.d_max, d_max)
     frozen = lr == 0  # prodigyopt skips the whole step, moments included.
+
+    if lagged_d:  # d_{k+1} is left for the next step; no step is skipped.
+      skip = False
+      d_growth = jnp.ones([], dtype)
+
+      def finish(pstate):
+        new_state = state._replace(s=s, preconditioner_state=pstate,
+                                   pending=jnp.stack([dots, denom]))
+        new_state = jax.tree.map(lambda new, old: jnp.where(frozen, old, new),
+                                 new_state, state._replace(
+                                     pending=jnp.zeros_like(state.pending)))
+        return new_state._replace(count=optax.safe_increment(old_state.count))
+    else:
+      d_new, d_max, numerator, skip = next_d(
+          state, b3_ * state.numerator + dots, denom)
+      d_growth = d_new / d
+
+      def finish(pstate):
+        new_state = state._replace(
+            k=jnp.where(skip, k, optax.safe_increment(k)),
+            d=d_new, d_prev=d, d_max=d_max, numerator=numerator,
+            s=s, preconditioner_state=pstate)
+        new_state = jax.tree.map(lambda new, old: jnp.where(frozen, old, new),
+                                 new_state, state)
+        return new_state._replace(count=optax.safe_increment(state.count))
 
     def step(u, x):
       step = -dlr * (u.astype(dtype) + weight_decay * x.astype(dtype))
       return jnp.where(skip | frozen, 0, step).astype(u.dtype)
 
-    def finish(pstate):
-      new_state = ScaleByProdigyState(
-          count=state.count,
-          k=jnp.where(skip, k, optax.safe_increment(k)),
-          d=d_new, d_prev=d, d_max=d_max,
-          numerator=jnp.where(skip, state.numerator, numerator),
-          s=s, params0=state.params0, preconditioner_state=pstate)
-      new_state = jax.tree.map(lambda new, old: jnp.where(frozen, old, new),
-                               new_state, state)
-      return new_state._replace(count=optax.safe_increment(state.count))
-
-    scales = {"d_ratio": state.d_prev / d, "d_growth": d_new / d}
+    scales = {"d_ratio": state.d_prev / d, "d_growth": d_growth}
     return scales, step, finish
 
   def check_params(params, state):

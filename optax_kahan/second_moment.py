@@ -85,6 +85,7 @@ def scale_by_second_moment(
     eps: float = 1e-8,
     *,
     bias_correction: bool = False,
+    state_dtype: Optional[jnp.dtype] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Adam's preconditioner ``m / (sqrt(v) + eps)``, rescalable by Prodigy.
 
@@ -104,11 +105,14 @@ def scale_by_second_moment(
     eps: added to ``sqrt(v)`` (outside the root).
     bias_correction: divide the moments by ``1 - b^t`` as Adam does. Prodigy
       does its bias correction in the step size instead, so it passes False.
+    state_dtype: dtype of ``m`` and ``v`` (as optax's ``mu_dtype``, e.g.
+      ``jnp.bfloat16``); the arithmetic is float32 and each moment is rounded
+      to nearest when stored. None follows the params.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update`` accepts the
     extra keyword arguments ``d_ratio`` and ``d_growth`` and ignores others.
-    State follows the params' dtype.
+    State follows the params' dtype unless ``state_dtype`` is given.
 
   Example:
     >>> tx = optax.chain(scale_by_second_moment(0.9, 0.999, 1e-8,
@@ -124,9 +128,9 @@ def scale_by_second_moment(
   def init_fn(params):
     validation.check_real("scale_by_second_moment", params)
     use_mu = not validation.is_static_zero(b1)
-    mu = optax.tree.zeros_like(params) if use_mu else None
+    zeros = lambda: optax.tree.zeros_like(params, dtype=state_dtype)
     return ScaleBySecondMomentState(
-        jnp.zeros([], jnp.int32), mu, optax.tree.zeros_like(params))
+        jnp.zeros([], jnp.int32), zeros() if use_mu else None, zeros())
 
   def update_fn(updates, state, params=None, *, d_ratio=1.0, d_growth=1.0,
                 **extra_args):

@@ -156,6 +156,14 @@ def test_state_memory_on_flux_shapes():
   # Inside kahan the state is float32, plus the 2 B/param host residual.
   in_kahan = _state_bytes_per_param(ok.kahan(ok.prodigy_factored()), shapes)
   assert 2.6 < in_kahan <= 2.8
+  # The compact state: s, x0 (and 1-D leaves' v) in bf16 inside kahan; the
+  # device holds the inner state only (the residuals, 2 B/param, are host).
+  tx = ok.kahan(ok.prodigy_factored(state_dtype=jnp.bfloat16))
+  inner = jax.eval_shape(tx.init, model_shapes.as_params(shapes)).inner_state
+  compact = model_shapes.tree_bytes(inner) / model_shapes.num_params(shapes)
+  assert 0.3 < compact <= 0.40
+  for leaf in jax.tree.leaves(inner.s) + jax.tree.leaves(inner.params0):
+    assert leaf.dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("kwargs, arg", [

@@ -51,3 +51,21 @@ def test_finetune_diffusion_smoke(tmp_path):
   assert info["cached"] and not saved["pretrain"]["cached"]
   other = example.PretrainConfig(**{**saved["pretrain"]["config"], "lr": 1.0})
   assert other.cache_key() != cfg.cache_key()
+
+
+def test_finetune_diffusion_blockwise_smoke(tmp_path):
+  # The polish through ok.blockwise_step (encoder, a stack of one middle
+  # block, decoder): Kahan still follows the float32 master bit for bit, and
+  # the weights are those of the ordinary step.
+  example = example_module.load()
+  argv = ["--pretrain-steps", "30", "--steps", "12", "--width", "8",
+          "--batch-size", "16", "--eval-every", "6", "--num-samples", "4",
+          "--sample-steps", "4", "--out", str(tmp_path), "--no-progress",
+          "--rules", "float32,nearest,kahan"]
+  ordinary = example.main(argv)["table"]
+  table = example.main(argv + ["--blockwise"])["table"]
+  assert table["kahan"]["bits_differ_from_float32"] == 0
+  assert table["nearest"]["max_abs_diff_to_float32"] > 0.0
+  assert table["kahan"]["host_bytes_per_param"] == 2.0
+  for rule in ("float32", "nearest", "kahan"):
+    assert table[rule]["heldout_loss"] == ordinary[rule]["heldout_loss"], rule

@@ -1,0 +1,409 @@
+"""A training step that updates each block inside the backward pass.
+
+A step written as ``jax.value_and_grad`` followed by ``tx.update`` holds the
+whole gradient tree at the update: 2 B/param in bfloat16, as much as the
+weights (24 GB for FLUX.1-dev's 11.9B params). A fused backward pass (as in
+sd-scripts' ``--fused_backward_pass``) updates each weight as soon as its
+gradient exists, so only one block's gradients are ever alive.
+
+This module does that for models written as **embed -> scan over stacked
+blocks -> head**: the blocks of a stack share one tree of weights with a
+leading block axis (``lax.scan`` or ``nnx.scan`` over ``nnx.vmap``-built
+blocks, as in MaxText and MaxDiffusion), and there may be several stacks one
+after the other (FLUX: 19 double-stream, then 38 single-stream blocks)::
+
+    carry, consts = embed(theta_E, batch)
+    carry = block_s(theta_{s,i}, carry, consts)     for each stack s, block i
+    loss  = head(theta_H, carry, consts, batch)
+
+``consts`` are the values every block reads and none changes (FLUX's
+conditioning vector and rotary tables). The step:
+
+1. Forward: the embedding (its vjp kept), then each stack by ``lax.scan``,
+   keeping only each block's input ``carry`` (block remat); then the head.
+2. The head's gradient, and its update: ``u, s = tx.update(g, s, theta_H)``.
+3. Backward, block by block from the last: with ``c_i`` the saved input,
+   ``(g_i, ct, ct_k) = vjp(block, theta_i, c_i, consts)(ct)``; then
+   ``theta_i, s_i <- update(g_i, s_i, theta_i)`` right there, written back
+   into the stack in place (a ``fori_loop`` carrying the stacked weights and
+   state, so with donation nothing is copied); ``ct`` goes on to block
+   ``i - 1`` and ``ct_k`` is summed into the cotangent of ``consts``.
+4. The embedding's gradient from ``(ct, ct_consts)``, and its update.
+
+The gradients of one block are alive at a time, and the optimizer's scratch
+is one block's. With ``kahan(...)`` the residuals of a stack are one host
+array per leaf: a block's slice is brought to the device for its update and
+sent back after it, inside the loop.
+
+Which transformations: ``tx`` is applied to each group of weights on its own
+(the embedding, each block, the head), with its own state: for a
+transformation that acts leaf by leaf (``optax.adamw``, ``optax.adafactor``,
+``optax.clip_by_block_rms``, ``kahan`` of them, ...) that is exactly the
+ordinary step on the blocks' weights as separate leaves. A transformation
+that couples all leaves through a sum must say how to split that sum:
+Prodigy's ``d`` does, with ``lagged_d=True`` (each block's step uses the ``d``
+known at the start of the step; the sums ``<g, x0 - x>`` and ``|s|`` are
+summed over all groups at the end and folded into ``d`` at the next step, a
+one-step lag as in fused-backward Prodigy variants). Other coupled ones
+(``optax.clip_by_global_norm``, ``optax.apply_if_finite`` over the whole
+tree) would act per group and give other results: do not use them here.
+
+References:
+  sd-scripts (kohya-ss) ``--fused_backward_pass`` and PR #2159;
+  Lv et al., "Full Parameter Fine-tuning for Large Language Models with
+  Limited Resources" (LOMO), arXiv:2306.09782, 2023.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from optax_kahan.prodigy import ScaleByProdigyState
+
+Carry = Any
+Consts = Any
+Batch = Any
+
+
+class BlockwiseModel(NamedTuple):
+  """A model as embed -> scan over stacked blocks -> head, as pure functions.
+
+  Attributes:
+    embed: ``embed(embed_params, batch) -> (carry, consts)``.
+    blocks: one function per stack, ``block(block_params, carry, consts) ->
+      carry``, where ``block_params`` is one block's slice of the stack (no
+      leading axis) and the carry keeps its structure, shapes and dtypes.
+    head: ``head(head_params, carry, consts, batch) -> loss``, a scalar.
+  """
+  embed: Callable[[Any, Batch], tuple[Carry, Consts]]
+  blocks: tuple[Callable[[Any, Carry, Consts], Carry], ...]
+  head: Callable[[Any, Carry, Consts, Batch], jax.Array]
+
+
+class BlockwiseParams(NamedTuple):
+  """The weights: ``stacks[s]`` has a leading axis of one entry per block."""
+  embed: Any
+  stacks: tuple[Any, ...]
+  head: Any
+
+
+class BlockwiseState(NamedTuple):
+  """``tx``'s state per group; each stack's is its blocks' states stacked."""
+  embed: optax.OptState
+  stacks: tuple[optax.OptState, ...]
+  head: optax.OptState
+
+
+def _check_params(model: BlockwiseModel, params: BlockwiseParams) -> None:
+  if not isinstance(params, BlockwiseParams):
+    raise TypeError(f"params must be a BlockwiseParams, got "
+                    f"{type(params).__name__}")
+  if len(params.stacks) != len(model.blocks):
+    raise ValueError(f"the model has {len(model.blocks)} block functions but "
+                     f"params.stacks has {len(params.stacks)} stacks")
+  for s, stack in enumerate(params.stacks):
+    flat = jax.tree_util.tree_flatten_with_path(stack)[0]
+    if not flat:
+      raise ValueError(f"params.stacks[{s}] has no arrays")
+    sizes = {jnp.shape(x)[:1] for _, x in flat}
+    if len(sizes) != 1 or () in sizes:
+      path, x = next((p, x) for p, x in flat
+                     if jnp.shape(x)[:1] != jnp.shape(flat[0][1])[:1]
+                     or not jnp.shape(x))
+      raise ValueError(
+          f"params.stacks[{s}]: every leaf needs the same leading (block) "
+          f"axis; leaf {jax.tree_util.keystr(path)} has shape "
+          f"{list(jnp.shape(x))}, the first leaf "
+          f"{list(jnp.shape(flat[0][1]))}")
+
+
+def _split_module(module: nnx.Module, what: str
+                  ) -> tuple[Callable[..., Any], Any]:
+  """``(fn, params)`` with ``fn(params, *args) = merge(module)(*args)``."""
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  if jax.tree.leaves(rest):
+    raise ValueError(
+        f"nnx_blockwise: {what} ({type(module).__name__}) holds state other "
+        f"than nnx.Param: {rest}; the blockwise step carries only the params")
+
+  def fn(params: Any, *args: Any) -> Any:
+    return nnx.merge(graphdef, params)(*args)
+
+  return fn, params
+
+
+def nnx_blockwise(embed: nnx.Module, stacks: Sequence[nnx.Module],
+                  head: nnx.Module) -> tuple[BlockwiseModel, BlockwiseParams]:
+  """A Flax NNX model's parts as a ``BlockwiseModel`` and its params.
+
+  ``embed(batch) -> (carry, consts)``, each stacked module's block
+  ``block(carry, consts) -> carry`` and ``head(carry, consts, batch) -> loss``
+  are the modules' ``__call__``. A stack is one module whose ``nnx.Param``
+  leaves have a leading block axis, as ``nnx.vmap`` over a block's
+  constructor builds it (the layout ``nnx.scan`` runs): the graphdef of the
+  stacked module merged with one block's slice of its params is that block.
+  Write the trained params back with ``nnx.update(module, params.embed)``
+  and so on.
+
+  Args:
+    embed: the embedding module.
+    stacks: the stacked block modules, in the order they run.
+    head: the head module, returning the scalar loss.
+
+  Returns:
+    ``(model, params)`` for ``blockwise_step``; the params are the modules'
+    ``nnx.State`` of ``nnx.Param``.
+
+  Raises:
+    ValueError: if a module holds state other than ``nnx.Param`` (batch
+      statistics, RNG counters), which the step would not carry.
+  """
+  embed_fn, embed_params = _split_module(embed, "embed")
+  split = [_split_module(m, f"stacks[{i}]") for i, m in enumerate(stacks)]
+  head_fn, head_params = _split_module(head, "head")
+  return (BlockwiseModel(embed_fn, tuple(fn for fn, _ in split), head_fn),
+          BlockwiseParams(embed_params, tuple(p for _, p in split),
+                          head_params))
+
+
+def num_blocks(stack: Any) -> int:
+  """The number of blocks in a stack (its leaves' leading axis)."""
+  return jnp.shape(jax.tree.leaves(stack)[0])[0]
+
+
+def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
+                   *args: BlockwiseParams) -> BlockwiseState:
+  """``tx``'s state for each group: the embedding, every block, the head.
+
+  A stack's state is ``jax.vmap(tx.init)`` of its weights: the state of each
+  block's weights on its own, stacked on a leading axis (a step count per
+  block, say, all equal).
+
+  Args:
+    tx: the transformation ``blockwise_step`` will apply.
+    params: a ``BlockwiseParams``.
+    *args: more arguments of ``tx.init``, each laid out like ``params`` and
+      split the same way: ``kahan``'s residuals from
+      ``kahan_from_float32``, to start from exact float32 weights.
+
+  Returns:
+    A ``BlockwiseState``.
+  """
+  for tree in (params, *args):
+    if not isinstance(tree, BlockwiseParams):
+      raise TypeError(f"params (and each extra argument) must be a "
+                      f"BlockwiseParams, got {type(tree).__name__}")
+  return BlockwiseState(
+      embed=tx.init(params.embed, *(a.embed for a in args)),
+      stacks=tuple(jax.vmap(tx.init)(stack, *(a.stacks[s] for a in args))
+                   for s, stack in enumerate(params.stacks)),
+      head=tx.init(params.head, *(a.head for a in args)))
+
+
+def blockwise_loss(model: BlockwiseModel, params: BlockwiseParams,
+                   batch: Batch) -> jax.Array:
+  """The ordinary forward pass: embed, ``lax.scan`` over each stack, head.
+
+  Each block is rematerialized in the backward pass (``jax.checkpoint``), as
+  in ``blockwise_step``; ``jax.value_and_grad`` of this is the ordinary step's
+  gradient.
+  """
+  _check_params(model, params)
+  carry, consts = model.embed(params.embed, batch)
+  for block, stack in zip(model.blocks, params.stacks):
+    block = jax.checkpoint(block)
+    carry, _ = lax.scan(lambda c, p, block=block: (block(p, c, consts), None),
+                        carry, stack)
+  return model.head(params.head, carry, consts, batch)
+
+
+def _update(tx: optax.GradientTransformation, grads: Any, state: Any,
+            params: Any) -> tuple[Any, Any]:
+  updates, state = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+def _add_cotangents(a: Any, b: Any) -> Any:
+  # Cotangents of integer inputs are float0 zeros, which do not add.
+  return jax.tree.map(
+      lambda x, y: x if x.dtype == jax.dtypes.float0 else x + y, a, b)
+
+
+def _is_prodigy(x: Any) -> bool:
+  return isinstance(x, ScaleByProdigyState)
+
+
+def _prodigy_states(tree: Any) -> list[ScaleByProdigyState]:
+  return [x for x in jax.tree.leaves(tree, is_leaf=_is_prodigy)
+          if _is_prodigy(x)]
+
+
+def _check_prodigy(state: BlockwiseState) -> None:
+  if any(s.pending is None for s in _prodigy_states(state)):
+    raise ValueError(
+        "blockwise_step updates each block before the other blocks' "
+        "gradients exist, but Prodigy's d sums over all of them: build it "
+        "with lagged_d=True (prodigy(..., lagged_d=True), "
+        "scale_by_prodigy(..., lagged_d=True)), which takes each step with "
+        "the d known at its start")
+
+
+def _sum_prodigy_statistics(state: BlockwiseState) -> BlockwiseState:
+  """Gives each Prodigy state the sums over all groups of this step.
+
+  Each group's update left the sums over its own leaves in ``pending``; the
+  next step folds ``pending`` into ``d``, so every copy gets the total (the
+  blocks' copies one per block).
+  """
+  groups = [state.embed, *state.stacks, state.head]
+  per_group = [_prodigy_states(g) for g in groups]
+  totals = []
+  for j in range(len(per_group[0])):
+    parts = [per_group[0][j].pending, per_group[-1][j].pending]
+    parts += [jnp.sum(g[j].pending, axis=0) for g in per_group[1:-1]]
+    totals.append(sum(parts[1:], parts[0]))
+
+  def with_totals(tree):
+    it = iter(totals)
+    return jax.tree.map(
+        lambda x: x._replace(pending=jnp.broadcast_to(
+            next(it), x.pending.shape)) if _is_prodigy(x) else x,
+        tree, is_leaf=_is_prodigy)
+
+  return BlockwiseState(
+      embed=with_totals(state.embed),
+      stacks=tuple(with_totals(s) for s in state.stacks),
+      head=with_totals(state.head))
+
+
+def _backward_stack(tx, block, stack, stack_state, inputs, consts, ct):
+  """The reverse loop over one stack: each block's vjp, then its update.
+
+  Returns the carry's cotangent, the sum of the blocks' cotangents of
+  ``consts`` (summed from zero in this order, as JAX's transpose of
+  ``lax.scan`` does, so that ``blockwise_loss``'s gradient is matched bit for
+  bit), and the new stack and its state.
+  """
+  n = num_blocks(stack)
+  take = lambda tree, i: jax.tree.map(
+      lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+  put = lambda tree, new, i: jax.tree.map(
+      lambda x, y: lax.dynamic_update_index_in_dim(x, y, i, 0), tree, new)
+
+  def body(j, loop):
+    ct, ct_consts, stack, stack_state = loop
+    i = n - 1 - j
+    params = take(stack, i)
+    _, vjp = jax.vjp(block, params, take(inputs, i), consts)
+    grads, ct, ct_block = vjp(ct)
+    params, state = _update(tx, grads, take(stack_state, i), params)
+    return (ct, _add_cotangents(ct_consts, ct_block), put(stack, params, i),
+            put(stack_state, state, i))
+
+  zeros = jax.tree.map(
+      lambda x: jnp.zeros(jnp.shape(x), jax.dtypes.float0)
+      if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+      else jnp.zeros_like(x), consts)
+  return lax.fori_loop(0, n, body, (ct, zeros, stack, stack_state))
+
+
+def blockwise_step(
+    model: BlockwiseModel,
+    tx: optax.GradientTransformation,
+    params: BlockwiseParams,
+    state: BlockwiseState,
+    batch: Batch,
+) -> tuple[jax.Array, BlockwiseParams, BlockwiseState]:
+  """One training step that updates each block inside the backward pass.
+
+  Computes ``loss = blockwise_loss(model, params, batch)`` and, per group of
+  weights ``theta`` (embedding, each block, head) with state ``s``::
+
+    g         = d loss / d theta
+    u, s      = tx.update(g, s, theta)
+    theta     = optax.apply_updates(theta, u)
+
+  as the module docstring describes: the head's update right after the
+  forward pass, each block's inside the reverse loop as soon as its
+  gradient exists, the embedding's last. For a leaf-by-leaf ``tx`` the
+  results are those of the ordinary step (``jax.value_and_grad`` of
+  ``blockwise_loss``, then ``tx.update``) on the blocks' weights as separate
+  leaves, bit for bit. Prodigy needs ``lagged_d=True``.
+
+  Jit it with the params and state donated, so the stacks are updated in
+  place: ``jax.jit(step, donate_argnums=(0, 1))`` for
+  ``step = lambda p, s, b: blockwise_step(model, tx, p, s, b)``.
+
+  Args:
+    model: the model's functions.
+    tx: a leaf-by-leaf gradient transformation, ``kahan`` of one, or the
+      Prodigy family with ``lagged_d=True``.
+    params: a ``BlockwiseParams``.
+    state: from ``blockwise_init(tx, params)`` or a previous step.
+    batch: passed to ``embed`` and ``head``.
+
+  Returns:
+    ``(loss, new_params, new_state)``; the loss is that of ``params``.
+
+  Raises:
+    TypeError, ValueError: for params or state of the wrong structure, or a
+      Prodigy estimator without ``lagged_d``.
+
+  Example:
+    >>> import optax
+    >>> model = BlockwiseModel(
+    ...     embed=lambda p, x: (x * p["w"], ()),
+    ...     blocks=(lambda p, h, _: jnp.tanh(h @ p["w"]),),
+    ...     head=lambda p, h, _, x: jnp.mean((h @ p["w"] - x) ** 2))
+    >>> params = BlockwiseParams(
+    ...     embed={"w": jnp.ones(4)}, stacks=({"w": jnp.ones((3, 4, 4)) / 4},),
+    ...     head={"w": jnp.eye(4)})
+    >>> tx = optax.adamw(1e-3)
+    >>> state = blockwise_init(tx, params)
+    >>> loss, params, state = blockwise_step(model, tx, params, state,
+    ...                                      jnp.arange(4.0))
+
+  References:
+    sd-scripts ``--fused_backward_pass``; Lv et al., 2023 (LOMO).
+  """
+  _check_params(model, params)
+  if not isinstance(state, BlockwiseState):
+    raise TypeError(f"state must be a BlockwiseState (from blockwise_init), "
+                    f"got {type(state).__name__}")
+  if len(state.stacks) != len(params.stacks):
+    raise ValueError(f"state has {len(state.stacks)} stacks, params "
+                     f"{len(params.stacks)}")
+  _check_prodigy(state)
+
+  (carry, consts), embed_vjp = jax.vjp(lambda p: model.embed(p, batch),
+                                       params.embed)
+  inputs = []
+  for block, stack in zip(model.blocks, params.stacks):
+    carry, saved = lax.scan(
+        lambda c, p, block=block: (block(p, c, consts), c), carry, stack)
+    inputs.append(saved)
+  loss, head_vjp = jax.vjp(lambda p, c, k: model.head(p, c, k, batch),
+                           params.head, carry, consts)
+  grads, ct, ct_consts = head_vjp(jnp.ones_like(loss))
+  head, head_state = _update(tx, grads, state.head, params.head)
+
+  stacks = list(params.stacks)
+  stack_states = list(state.stacks)
+  for s in reversed(range(len(stacks))):
+    ct, ct_stack, stacks[s], stack_states[s] = _backward_stack(
+        tx, model.blocks[s], stacks[s], stack_states[s], inputs[s], consts,
+        ct)
+    ct_consts = _add_cotangents(ct_consts, ct_stack)
+  grads, = embed_vjp((ct, ct_consts))
+  embed, embed_state = _update(tx, grads, state.embed, params.embed)
+
+  new_state = BlockwiseState(embed_state, tuple(stack_states), head_state)
+  if _prodigy_states(new_state):
+    new_state = _sum_prodigy_statistics(new_state)
+  return loss, BlockwiseParams(embed, tuple(stacks), head), new_state

@@ -1,0 +1,272 @@
+"""blockwise_step against the ordinary step (value_and_grad, then tx.update).
+
+The ordinary step here runs ``tx.update`` on the blocks' weights as separate
+leaves (``unstack``), which is what ``blockwise_step`` promises for a
+leaf-by-leaf ``tx``: bit for bit, params and state, over 50 steps. Prodigy's
+blockwise step sums ``<g, x0 - x>`` and ``|s|`` in another order than the
+ordinary lagged step, so it is compared step by step (teacher forcing: both
+start each step from the reference's params and state) within 1e-6. With a
+first moment (b1 > 0) its weights also differ by up to one float32 ulp: XLA
+simplifies the scalar factors of the moment update differently in the
+one-block program; with b1 = 0 they are bit-identical.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_kahan as ok
+from optax_kahan import blockwise as bw
+
+W = 16
+
+
+def embed(p, b):
+  h = b["x"] @ p["w"] + p["b"]
+  vec = jnp.tanh(b["t"][:, None] * p["t"])
+  return (h, h * 0.5), {"vec": vec, "ids": b["ids"]}
+
+
+def double_block(p, c, k):
+  h, g = c
+  m = k["vec"] @ p["mod"]
+  return (h + jnp.tanh(g @ p["w1"] + m[:, None, :]) * p["s"],
+          g + jax.nn.gelu(h @ p["w2"]))
+
+
+def single_block(p, c, k):
+  h, g = c
+  x = jnp.concatenate([g, h], axis=1)
+  x = x + jnp.tanh(x @ p["w"]) * (k["vec"] @ p["mod"])[:, None, :]
+  return x[:, g.shape[1]:], x[:, :g.shape[1]]
+
+
+def head(p, c, k, b):
+  del k
+  out = (c[0] + c[1]) @ p["w"] + p["b"]
+  return jnp.mean(jnp.square((out - b["y"]).astype(jnp.float32)))
+
+
+MODEL = bw.BlockwiseModel(embed, (double_block, single_block), head)
+
+
+def init_params(dtype):
+  ks = jax.random.split(jax.random.key(0), 10)
+  n = lambda k, s: (0.3 * jax.random.normal(k, s)).astype(dtype)
+  return jax.device_put(bw.BlockwiseParams(
+      embed={"w": n(ks[0], (8, W)), "b": n(ks[1], (W,)), "t": n(ks[2], (W,))},
+      stacks=({"w1": n(ks[3], (3, W, W)), "w2": n(ks[4], (3, W, W)),
+               "mod": n(ks[5], (3, W, W)), "s": n(ks[6], (3, W))},
+              {"w": n(ks[7], (2, W, W)), "mod": n(ks[8], (2, W, W))}),
+      head={"w": n(ks[9], (W, 8)), "b": jnp.zeros(8, dtype)}),
+      jax.devices()[0])
+
+
+def batch(step, dtype):
+  ks = jax.random.split(jax.random.key(step + 1), 3)
+  return {"x": jax.random.normal(ks[0], (2, 5, 8)).astype(dtype),
+          "t": jax.random.uniform(ks[1], (2,)).astype(dtype),
+          "ids": jnp.zeros((2, 5), jnp.int32),
+          "y": jax.random.normal(ks[2], (2, 5, 8)).astype(dtype)}
+
+
+# -- the ordinary layout: each block's weights as leaves of their own --------
+GROUPS = ("embed", "stacks", "head")
+
+
+def _is_mirror(x):
+  return isinstance(x, dict) and set(x) == set(GROUPS)
+
+
+def unstack(params: bw.BlockwiseParams) -> dict:
+  return {"embed": params.embed, "head": params.head,
+          "stacks": [[jax.tree.map(lambda x: x[i], stack)
+                      for i in range(bw.num_blocks(stack))]
+                     for stack in params.stacks]}
+
+
+def restack(tree: dict) -> bw.BlockwiseParams:
+  return bw.BlockwiseParams(
+      tree["embed"],
+      tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
+            for blocks in tree["stacks"]),
+      tree["head"])
+
+
+def to_blockwise_state(state, template: bw.BlockwiseState,
+                       params: bw.BlockwiseParams) -> bw.BlockwiseState:
+  """The ordinary state in blockwise layout; its scalars copied to each group.
+
+  Both states come from the same ``tx``, so their leaves come in the same
+  order once the params-shaped subtrees are taken whole.
+  """
+  items = jax.tree.leaves(state, is_leaf=_is_mirror)
+
+  def fill(group_state, group_params, part):
+    keys = set(group_params)
+    is_mirror = lambda x: isinstance(x, dict) and set(x) == keys
+    leaves, treedef = jax.tree.flatten(group_state, is_leaf=is_mirror)
+    assert len(leaves) == len(items)
+    return treedef.unflatten([part(o) if _is_mirror(o) else
+                              jnp.broadcast_to(o, jnp.shape(g))
+                              for g, o in zip(leaves, items)])
+
+  return bw.BlockwiseState(
+      embed=fill(template.embed, params.embed, lambda o: o["embed"]),
+      stacks=tuple(
+          fill(st, jax.tree.map(lambda x: x[0], sp),
+               lambda o, s=s: restack({"embed": None, "head": None,
+                                       "stacks": [o["stacks"][s]]}).stacks[0])
+          for s, (st, sp) in enumerate(zip(template.stacks, params.stacks))),
+      head=fill(template.head, params.head, lambda o: o["head"]))
+
+
+def ordinary_step(tx, params, state, b):
+  loss, grads = jax.value_and_grad(bw.blockwise_loss, argnums=1)(
+      MODEL, params, b)
+  p = unstack(params)
+  updates, state = tx.update(unstack(grads), state, p)
+  return loss, restack(optax.apply_updates(p, updates)), state
+
+
+def _assert_trees_equal(a, b):
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0],
+                          jax.tree.leaves(b)):
+    np.testing.assert_array_equal(
+        np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("name", ["kahan(optax.adamw)", "optax.adafactor"])
+def test_blockwise_equals_the_ordinary_step_bit_for_bit(name):
+  tx, dtype = {
+      "kahan(optax.adamw)": (ok.kahan(optax.adamw(1e-3)), jnp.bfloat16),
+      "optax.adafactor": (optax.adafactor(1e-2), jnp.float32)}[name]
+  params = init_params(dtype)
+  p_or = params
+  p_bw = jax.tree.map(jnp.copy, params)  # donated
+  s_bw = bw.blockwise_init(tx, p_bw)
+  s_or = tx.init(unstack(params))
+  step_bw = jax.jit(lambda p, s, b: bw.blockwise_step(MODEL, tx, p, s, b),
+                    donate_argnums=(0, 1))
+  step_or = jax.jit(lambda p, s, b: ordinary_step(tx, p, s, b))
+  losses = []
+  for i in range(50):
+    loss_bw, p_bw, s_bw = step_bw(p_bw, s_bw, batch(i, dtype))
+    loss_or, p_or, s_or = step_or(p_or, s_or, batch(i, dtype))
+    assert loss_bw == loss_or, i
+    losses.append(float(loss_or))
+  assert losses[-1] < 0.9 * losses[0]  # it trains
+  _assert_trees_equal(p_bw, p_or)
+  _assert_trees_equal(s_bw, to_blockwise_state(s_or, s_bw, p_or))
+  if name.startswith("kahan"):  # the stacks' residuals stayed in host memory
+    for stack_state in s_bw.stacks:
+      for lo in jax.tree.leaves(ok.kahan_residuals(stack_state)):
+        assert lo.sharding.memory_kind == "pinned_host"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ok.prodigy(lagged_d=True, weight_decay=0.01),
+    lambda: ok.prodigy_factored(lagged_d=True, slice_p=3)],
+    ids=["prodigy", "prodigy_factored"])
+def test_blockwise_prodigy_matches_the_lagged_reference(make):
+  tx = make()
+  params = init_params(jnp.float32)
+  s_ref = tx.init(unstack(params))
+  template = bw.blockwise_init(tx, params)
+  step_bw = jax.jit(lambda p, s, b: bw.blockwise_step(MODEL, tx, p, s, b))
+  step_or = jax.jit(lambda p, s, b: ordinary_step(tx, p, s, b))
+  p_ref = params
+  worst = 0.0
+  for i in range(30):
+    b = batch(i, jnp.float32)
+    _, p_new, s_new = step_or(p_ref, s_ref, b)
+    _, p_bw, s_bw = step_bw(p_ref, to_blockwise_state(s_ref, template, params),
+                            b)
+    for x, y in zip(jax.tree.leaves(p_bw), jax.tree.leaves(p_new)):
+      worst = max(worst, float(np.max(np.abs(np.asarray(x) - np.asarray(y)))
+                               / np.max(np.abs(np.asarray(y)))))
+    pend_ref = bw._prodigy_states(s_new)[0].pending
+    for group in bw._prodigy_states(s_bw):
+      np.testing.assert_allclose(np.asarray(group.pending).reshape(-1, 2),
+                                 np.broadcast_to(pend_ref, (
+                                     np.size(group.pending) // 2, 2)),
+                                 rtol=1e-6)
+      np.testing.assert_array_equal(np.asarray(group.d).reshape(-1),
+                                    float(ok.prodigy_d(s_new)))
+    p_ref, s_ref = p_new, s_new
+  assert worst <= 1e-6
+  assert float(ok.prodigy_d(s_ref)) > 1e-5  # d grew: the sums matter
+
+
+def test_lagged_prodigy_folds_the_last_step_into_d():
+  # Fed the same params and gradients, the lagged estimator's d after update
+  # k + 1 (folded at its start) is the ordinary one's d after update k.
+  params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)}
+  plain, lagged = ok.prodigy(), ok.prodigy(lagged_d=True)
+  s_plain, s_lag = plain.init(params), lagged.init(params)
+  d_plain, d_lag = [], []
+  for k in range(4):
+    grads = {"w": jnp.cos(jnp.arange(12.0) + k).reshape(3, 4)}
+    u, s_plain = plain.update(grads, s_plain, params)
+    _, s_lag = lagged.update(grads, s_lag, params)
+    params = optax.apply_updates(params, u)
+    d_plain.append(float(s_plain.d))
+    d_lag.append(float(s_lag.d))
+  assert d_lag[0] == np.float32(1e-6)  # the first step used d0; d waits
+  np.testing.assert_allclose(d_lag[1:], d_plain[:-1], rtol=1e-6)
+  assert d_plain[-2] > 1.1e-6  # d moved
+
+
+def test_blockwise_refuses_prodigy_without_the_lag():
+  tx = ok.prodigy()
+  params = init_params(jnp.float32)
+  with pytest.raises(ValueError, match="lagged_d=True"):
+    bw.blockwise_step(MODEL, tx, params, bw.blockwise_init(tx, params),
+                      batch(0, jnp.float32))
+
+
+def test_blockwise_names_a_stack_leaf_without_the_block_axis():
+  params = init_params(jnp.float32)
+  bad = params._replace(stacks=(params.stacks[0],
+                                {**params.stacks[1], "w": jnp.ones((3, W, W))}))
+  with pytest.raises(ValueError, match=r"stacks\[1\].*\['w'\].*\[3, 16, 16\]"):
+    bw.blockwise_loss(MODEL, bad, batch(0, jnp.float32))
+  with pytest.raises(TypeError, match="BlockwiseParams"):
+    bw.blockwise_init(optax.sgd(1.0), unstack(params))
+  with pytest.raises(ValueError, match="2 block functions"):
+    bw.blockwise_loss(MODEL, params._replace(stacks=params.stacks[:1]),
+                      batch(0, jnp.float32))
+
+
+def test_nnx_flux_trains_blockwise_with_compact_kahan_prodigy():
+  # A tiny FLUX-shaped MMDiT (Flax NNX, nnx.vmap-stacked blocks): the
+  # blockwise loss is the module's own, and kahan(prodigy_factored) with the
+  # lag and bf16 state lowers it while every residual stays on the host.
+  from flax import nnx
+  from benchmarks import flux_model
+  cfg = flux_model.FluxConfig.tiny()
+  module = flux_model.Flux(cfg, rngs=nnx.Rngs(0))
+  batch = flux_model.random_batch(jax.random.key(1), cfg, 2, 16, 8,
+                                  jnp.float32)
+  model, params = ok.nnx_blockwise(
+      module.embed, (module.double_blocks, module.single_blocks), module.head)
+  np.testing.assert_allclose(bw.blockwise_loss(model, params, batch),
+                             module(batch), rtol=1e-6)
+  params = jax.device_put(flux_model.to_dtype(params, jnp.bfloat16),
+                          jax.devices()[0])
+  batch = flux_model.random_batch(jax.random.key(1), cfg, 2, 16, 8)
+  tx = ok.kahan(ok.prodigy_factored(lagged_d=True, state_dtype=jnp.bfloat16))
+  state = ok.blockwise_init(tx, params)
+  step = jax.jit(lambda p, s: ok.blockwise_step(model, tx, p, s, batch),
+                 donate_argnums=(0, 1))
+  losses = []
+  for _ in range(15):
+    loss, params, state = step(params, state)
+    losses.append(float(loss))
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+  assert float(ok.prodigy_d(state.head)) > 1e-6
+  for group in (state.embed, *state.stacks, state.head):
+    for lo in jax.tree.leaves(ok.kahan_residuals(group)):
+      assert lo.sharding.memory_kind == "pinned_host"
