@@ -2,6 +2,8 @@
 
     pip install -e ".[gpu-aot]"      # jax's CUDA plugin: XLA's GPU compiler
     python -m benchmarks.blockwise [--target h200] [--quick]
+    python -m benchmarks.blockwise --quick --check \
+        --optimizers "kahan(prodigy_factored(state_dtype=bf16))"   # CI
 
 Nothing runs: each step is compiled from abstract arguments (no weights are
 allocated) for the CPU and, deviceless, for an H200 (``benchmarks.gpu_compile``
@@ -31,7 +33,7 @@ heap's peak, and the live values there whose dtype is the gradients' and
 whose shape is a stack leaf's (whole stacks' gradients) or one block's
 leaf's (an upper bound on one block's gradients; its sliced and updated
 weights have the same shapes) are reported, next to one block's weights.
-``--quick`` compiles a 2 + 2 block model of width 256 with 256 + 64 tokens.
+``--quick`` compiles a 4 + 4 block model of width 256 with 512 + 64 tokens.
 
 Writes ``benchmarks/results/blockwise{,_quick}.{md,json}``.
 """
@@ -297,22 +299,63 @@ def to_markdown(r: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def check(r: dict) -> list[str]:
+  """What the README promises of each blockwise row, against its ordinary
+  twin: no whole stack's gradients alive at the peak, at most two blocks'
+  worth of block-shaped values (one block's gradients, its sliced and
+  updated weights; four with float32 master weights, whose moments count
+  too), and a lower device peak."""
+  t, failures = r["target"], []
+  for key, row in r["rows"].items():
+    step, name = key.split(" | ")
+    if step != "blockwise":
+      continue
+    g, o = row[t], r["rows"][f"ordinary | {name}"][t]
+    itemsize = 4 if "float32" in name else 2
+    block = row["largest_block_params"] * itemsize
+    # With float32 master weights the block's Adam moments, sliced from
+    # their stacks, also have the gradients' dtype and shapes.
+    worth = 4 if "float32" in name else 2
+    if g.get("stack_shaped_bytes", 1) != 0:
+      failures.append(f"{name}: {g.get('stack_shaped_bytes')} bytes of "
+                      "whole-stack values at the peak")
+    if g.get("block_shaped_bytes", 1e30) > worth * block:
+      failures.append(f"{name}: {g.get('block_shaped_bytes')} bytes of "
+                      f"block-shaped values at the peak, over {worth} x "
+                      f"{block}")
+    if o.get("stack_shaped_bytes", 0) < 0.5 * (row["params"] * itemsize):
+      failures.append(f"{name}: the ordinary step holds only "
+                      f"{o.get('stack_shaped_bytes')} bytes of stacks' "
+                      "gradients: the reading is off")
+    if g["peak_bytes"] >= o["peak_bytes"]:
+      failures.append(f"{name}: blockwise peak {g['peak_bytes']} >= "
+                      f"ordinary {o['peak_bytes']}")
+  return failures
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
-                      help="2 + 2 blocks of width 256, 256 + 64 tokens")
+                      help="4 + 4 blocks of width 256, 512 + 64 tokens")
   parser.add_argument("--target", default="h200",
                       choices=sorted(gpu_compile.TARGETS))
+  parser.add_argument("--optimizers", nargs="+", default=list(optimizers()),
+                      choices=list(optimizers()), metavar="NAME",
+                      help=f"a subset of {list(optimizers())}")
+  parser.add_argument("--check", action="store_true",
+                      help="exit 1 if a blockwise row breaks a promise")
   args = parser.parse_args(argv)
   _dump_flags()
   cfg = flux_model.FluxConfig.dev()
   if args.quick:
-    cfg = dataclasses.replace(cfg, hidden=256, heads=2, double_blocks=2,
-                              single_blocks=2, context_dim=256, vec_dim=64)
+    cfg = dataclasses.replace(cfg, hidden=256, heads=2, double_blocks=4,
+                              single_blocks=4, context_dim=256, vec_dim=64)
   cfg = dataclasses.replace(cfg, heads_per_chunk=min(2, cfg.heads))
-  tokens = (256, 64) if args.quick else (4096, 512)
+  # Quick: more tokens than the width, so that no activation has a weight's
+  # shape and the block-shaped reading stays the weights'.
+  tokens = (512, 64) if args.quick else (4096, 512)
   rows = {}
-  for name in optimizers():
+  for name in args.optimizers:
     for step in ("ordinary", "blockwise"):
       rows[f"{step} | {name}"] = compile_row(name, step, cfg, args.target,
                                              tokens)
@@ -327,6 +370,11 @@ def main(argv=None) -> dict:
                  f"{tokens[1]} tokens, block remat, attention "
                  f"{cfg.heads_per_chunk} heads at a time"), "rows": rows}
   report.save("blockwise", to_markdown(r), r, args.quick)
+  failures = check(r)
+  for f in failures:
+    print("FAIL:", f)
+  if args.check and failures:
+    raise SystemExit(1)
   return r
 
 

@@ -111,16 +111,14 @@ def _check_params(model: BlockwiseModel, params: BlockwiseParams) -> None:
     flat = jax.tree_util.tree_flatten_with_path(stack)[0]
     if not flat:
       raise ValueError(f"params.stacks[{s}] has no arrays")
-    sizes = {jnp.shape(x)[:1] for _, x in flat}
-    if len(sizes) != 1 or () in sizes:
-      path, x = next((p, x) for p, x in flat
-                     if jnp.shape(x)[:1] != jnp.shape(flat[0][1])[:1]
-                     or not jnp.shape(x))
-      raise ValueError(
-          f"params.stacks[{s}]: every leaf needs the same leading (block) "
-          f"axis; leaf {jax.tree_util.keystr(path)} has shape "
-          f"{list(jnp.shape(x))}, the first leaf "
-          f"{list(jnp.shape(flat[0][1]))}")
+    first = jnp.shape(flat[0][1])
+    for path, x in flat:
+      shape = jnp.shape(x)
+      if not shape or not first or shape[0] != first[0]:
+        raise ValueError(
+            f"params.stacks[{s}]: every leaf needs the same leading (block) "
+            f"axis; leaf {jax.tree_util.keystr(path)} has shape "
+            f"{list(shape)}, the first leaf {list(first)}")
 
 
 def _split_module(module: nnx.Module, what: str
@@ -338,7 +336,9 @@ def blockwise_step(
 
   Jit it with the params and state donated, so the stacks are updated in
   place: ``jax.jit(step, donate_argnums=(0, 1))`` for
-  ``step = lambda p, s, b: blockwise_step(model, tx, p, s, b)``.
+  ``step = lambda p, s, b: blockwise_step(model, tx, p, s, b)``. The memory
+  claims are the GPU program's (``benchmarks/blockwise.py``): XLA:CPU copies
+  the stacks the loop carries, so on a CPU the step saves less.
 
   Args:
     model: the model's functions.

@@ -20,16 +20,17 @@ from benchmarks import gpu_compile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _has_plugin() -> bool:
-  return importlib.util.find_spec("jax_cuda12_plugin") is not None
+def _need_plugin() -> None:
+  """Skips without jax's CUDA plugin; fails instead when CI requires it."""
+  if importlib.util.find_spec("jax_cuda12_plugin") is None:
+    if os.environ.get("OPTAX_KAHAN_REQUIRE_GPU_AOT") == "1":
+      pytest.fail('jax\'s CUDA plugin is missing: pip install -e ".[gpu-aot]"')
+    pytest.skip('needs pip install -e ".[gpu-aot]"')
 
 
 @pytest.mark.slow
 def test_gpu_programs_keep_their_promises():
-  if not _has_plugin():
-    if os.environ.get("OPTAX_KAHAN_REQUIRE_GPU_AOT") == "1":
-      pytest.fail('jax\'s CUDA plugin is missing: pip install -e ".[gpu-aot]"')
-    pytest.skip('needs pip install -e ".[gpu-aot]"')
+  _need_plugin()
   out = subprocess.run(
       [sys.executable, "-m", "benchmarks.gpu_compile", "--quick", "--check",
        "--target", "h200"], cwd=ROOT, capture_output=True, text=True,
@@ -86,3 +87,18 @@ ENTRY %main (p: u16[8], q: u16[8]) -> u16[8] {
   assert r["h2d_copies"] == 2 and r["d2h_copies"] == 0
   assert r["staging_peak"] == 32  # both 16-byte copies live at %f
   assert r["overlap"] == 1.0  # the second starts before the first's reader
+
+
+@pytest.mark.slow
+def test_blockwise_step_holds_one_blocks_gradients():
+  # benchmarks.blockwise at 4 + 4 blocks of width 256, read from the H200
+  # program's buffer assignment: no whole-stack gradient alive at the peak,
+  # at most two blocks' worth of block-shaped values, a lower peak.
+  _need_plugin()
+  out = subprocess.run(
+      [sys.executable, "-m", "benchmarks.blockwise", "--quick", "--check",
+       "--optimizers", "kahan(prodigy_factored(state_dtype=bf16))"],
+      cwd=ROOT, capture_output=True, text=True, timeout=1200)
+  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+  assert "| blockwise | kahan(prodigy_factored(state_dtype=bf16)) |" in (
+      out.stdout)
