@@ -53,6 +53,8 @@ def test_quality_quick_has_every_task_and_kahan_is_exact():
     assert r["kahan"]["distance"]["values"] == [0.0], task
     assert r["nearest"]["distance"]["mean"] > 0, task
   assert "digits-mlp" in (report.RESULTS / "quality_quick.md").read_text()
+  compact = (report.RESULTS / "quality_compact_state_quick.md").read_text()
+  assert "| bf16 state |" in compact and "nan" not in compact
 
 
 def test_step_memory_quick_bounds_every_leafwise_step():
