@@ -296,7 +296,6 @@ def scale_by_prodigy(
     leafwise) it computes ``<g_S, x0_S - x_S>``, the new ``s`` and
     ``sum |s|``; the rest is scalar.
     """
-    old_state = state
     if lagged_d:
       state = fold_pending(state)
     dtype = state.d.dtype
@@ -342,7 +341,7 @@ def scale_by_prodigy(
         new_state = jax.tree.map(lambda new, old: jnp.where(frozen, old, new),
                                  new_state, state._replace(
                                      pending=jnp.zeros_like(state.pending)))
-        return new_state._replace(count=optax.safe_increment(old_state.count))
+        return new_state._replace(count=optax.safe_increment(state.count))
     else:
       d_new, d_max, numerator, skip = next_d(
           state, b3_ * state.numerator + dots, denom)
