@@ -236,6 +236,9 @@ def test_blockwise_names_a_stack_leaf_without_the_block_axis():
     bw.blockwise_loss(MODEL, bad, batch(0, jnp.float32))
   with pytest.raises(TypeError, match="BlockwiseParams"):
     bw.blockwise_init(optax.sgd(1.0), unstack(params))
+  with pytest.raises(TypeError, match="BlockwiseState"):
+    bw.blockwise_step(MODEL, optax.sgd(1.0), params,
+                      optax.sgd(1.0).init(params), batch(0, jnp.float32))
   with pytest.raises(ValueError, match="2 block functions"):
     bw.blockwise_loss(MODEL, params._replace(stacks=params.stacks[:1]),
                       batch(0, jnp.float32))
