@@ -60,9 +60,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from optax_kahan.blockwise import BlockwiseModel
-from optax_kahan.blockwise import BlockwiseParams
-from optax_kahan.blockwise import nnx_blockwise
+from optax_kahan import BlockwiseModel
+from optax_kahan import BlockwiseParams
+from optax_kahan import nnx_blockwise
 
 Batch = Mapping[str, jax.Array]
 Params = Any  # a pytree of arrays: an ``nnx.State`` here

@@ -32,23 +32,25 @@ compiled program:
 Steps: the optimizer step alone (``tx.update`` + ``optax.apply_updates``,
 params and state donated, bf16 gradients) for the optax anchors and each
 named optimizer, plain, in ``kahan`` and in ``kahan(..., offload=False)``,
-and ``kahan(leafwise(...))`` for two of them, on the FLUX.1-dev
-transformer's shapes with 2 double- and 2 single-stream blocks (1.03B
-params, 112 leaves); and a whole training step (forward, backward with block
+on the FLUX.1-dev transformer's shapes with 2 double- and 2 single-stream
+blocks (1.03B params, 112 leaves) and on 24 equal leaves of 1024 x 1024;
+and a whole training step (forward, backward with block
 remat, update, apply) of a DiT-like model, 8 blocks of width 1024 (155M
 params), its blocks stacked and run by ``lax.scan`` or unrolled. ``--quick``
-(for CI): width 256, 4 + 4 FLUX blocks, the adamw and prodigy_factored
-families, and the scanned DiT's kahan rows only. ``--full`` compiles
+(for CI): width 256, 4 + 4 FLUX blocks, 24 leaves of 256 x 256, the
+adamw, clip-chain and prodigy_factored families, and the scanned DiT's
+kahan rows only. ``--full`` compiles
 instead the full FLUX.1-dev (11.9B params, 1,160 leaves) optimizer steps of
 ``kahan(optax.adamw)`` and ``kahan(prodigy_factored())`` (minutes each),
 into ``results/gpu_compile_full``.
 
 ``--check`` asserts what the README promises: no conditional in any step;
-for every ``kahan`` optimizer step with host residuals (the default and the
-leafwise ones), residual staging at most three times the largest leaf's
-residual (one leaf coming in, one going out, one more in flight) and an
-offload saving at the device peak of 2 B/param less that bound; and in the
-whole training step with scanned blocks, a saving of at least 1.9 B/param.
+for every ``kahan`` optimizer step with host residuals whose inner
+transformation has a per-leaf form (all but ``WHOLE_TREE``), residual
+staging at most two of the largest leaf's residuals and an offload saving
+at the device peak of at least 2 B/param less those two, less 0.05; and in
+the whole training step with scanned blocks, a saving of at least 1.9
+B/param.
 
 Writes ``benchmarks/results/gpu_compile{,_quick,_full}.{md,json}``.
 """
@@ -273,33 +275,37 @@ def optimizers() -> dict[str, Callable[[], optax.GradientTransformation]]:
   return {
       "optax.adamw": lambda: optax.adamw(1e-5),
       "optax.adafactor": lambda: optax.adafactor(1e-5),
+      "optax.lion": lambda: optax.lion(1e-6),
+      "chain(clip_by_global_norm, optax.adamw)": lambda: ok.chain(
+          ok.clip_by_global_norm(1.0), optax.adamw(1e-5)),
+      "optax.chain(optax.clip_by_global_norm, optax.adamw)": lambda:
+          optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5)),
       "prodigy()": ok.prodigy,
       "prodigy_factored()": ok.prodigy_factored,
       "stable_adamw()": lambda: ok.stable_adamw(1e-5),
   }
 
 
-def configurations(quick: bool = False) -> dict[str, Callable]:
-  """Each optimizer plain, in kahan and in kahan on device; two leafwise.
+# kahan of these has no per-leaf form (optax.chain hides the global norm's
+# sum inside one update function): it runs on the whole tree, with a warning,
+# and stages every residual at once. Reported, not promised.
+WHOLE_TREE = ("optax.chain(optax.clip_by_global_norm, optax.adamw)",)
 
-  ``quick``: only the optax.adamw and prodigy_factored() families.
+
+def configurations(quick: bool = False) -> dict[str, Callable]:
+  """Each optimizer plain, in kahan and in kahan on device.
+
+  ``quick``: only the optax.adamw, clip-chain and prodigy_factored() families.
   """
   out = {}
-  leafwise = {"optax.adamw": lambda: ok.leafwise(optax.adamw(1e-5)),
-              "prodigy_factored()": lambda: ok.prodigy_factored(leafwise=True)}
   for name, make in optimizers().items():
-    if quick and name not in leafwise:
+    if quick and name not in ("optax.adamw", "prodigy_factored()",
+                              "chain(clip_by_global_norm, optax.adamw)"):
       continue
     out[name] = make
     out[f"kahan({name})"] = lambda make=make: ok.kahan(make())
     out[f"kahan({name}), offload=False"] = (
         lambda make=make: ok.kahan(make(), offload=False))
-    if name in leafwise:
-      label = ("kahan(leafwise(optax.adamw))" if name == "optax.adamw"
-               else "kahan(prodigy_factored(leafwise=True))")
-      out[label] = lambda make=leafwise[name]: ok.kahan(make())
-      out[f"{label}, offload=False"] = (
-          lambda make=leafwise[name]: ok.kahan(make(), offload=False))
   return out
 
 
@@ -457,10 +463,6 @@ def training_configurations() -> dict[str, tuple[Callable, bool]]:
           lambda: ok.kahan(ok.prodigy_factored()), True),
       "kahan(prodigy_factored()), offload=False": (
           lambda: ok.kahan(ok.prodigy_factored()), False),
-      "kahan(leafwise(optax.adamw))": (
-          lambda: ok.kahan(ok.leafwise(optax.adamw(1e-5))), True),
-      "kahan(leafwise(optax.adamw)), offload=False": (
-          lambda: ok.kahan(ok.leafwise(optax.adamw(1e-5))), False),
   }
 
 
@@ -504,13 +506,13 @@ def check(r: dict) -> list[str]:
   """What the README promises of the library's GPU steps; the failures.
 
   Every step: no conditional. Every ``kahan`` step with host residuals
-  (the default whole-tree one, ``optax_kahan.staging``'s chain, and the
-  leafwise one, ``for_each_leaf``'s), in an optimizer step: residual
-  staging at most three of the largest leaf's residuals (one coming in,
-  one going out, one more in flight), and offloading lowers the device peak
-  by 2 B/param less that bound; in the whole training step with scanned
-  blocks, by at least 1.9 B/param. (With unrolled blocks, any host copy
-  costs more than the residuals save: reported, not promised.)
+  whose inner transformation has a per-leaf form, in an optimizer step:
+  residual staging at most two of the largest leaf's residuals, and
+  offloading lowers the device peak by at least 2 B/param less those two
+  leaves' bytes per param, less 0.05; in the whole training step with
+  scanned blocks, by at least 1.9 B/param. (With unrolled blocks, any host
+  copy costs more than the residuals save: reported, not promised; so is
+  the whole-tree step of ``WHOLE_TREE``.)
   """
   failures = []
   savings = r["offload_saving"]
@@ -519,17 +521,18 @@ def check(r: dict) -> list[str]:
     if v["conditionals"]:
       failures.append(f"{r['shapes']}: {name} has {v['conditionals']} "
                       "conditionals")
-    if not name.startswith("kahan(") or name not in savings:
+    if (not name.startswith("kahan(") or name not in savings
+        or any(f"kahan({w})" == name for w in WHOLE_TREE)):
       continue
     if "lax.scan" in r["shapes"] and savings[name] < 1.9:
       failures.append(f"{r['shapes']}: offload saves {savings[name]:.2f} "
                       f"B/param for {name}, less than 1.9")
     if not optimizer_step_only:
       continue
-    if v["staging_in_largest_leaves"] > 3.01:
+    if v["staging_in_largest_leaves"] > 2.01:
       failures.append(f"{r['shapes']}: {name} stages "
                       f"{v['staging_in_largest_leaves']:.1f} largest leaves")
-    bound = 2.0 - 3 * v["largest_leaf_bytes"] / v["params"] - 0.02
+    bound = 2.0 - 2 * v["largest_leaf_bytes"] / v["params"] - 0.05
     if savings[name] < bound:
       failures.append(f"{r['shapes']}: offload saves {savings[name]:.2f} "
                       f"B/param for {name}, less than {bound:.2f}")
@@ -544,20 +547,26 @@ def run_target(target: str, quick: bool, full: bool) -> list[dict]:
   stamp = {"target": target, "target_name": name, "jax": jax.__version__,
            "date": datetime.date.today().isoformat()}
   width, blocks = (256, 4) if quick else (3072, 2)
+  side = 256 if quick else 1024
   tables = []
-  shapes = model_shapes.flux_dev_shapes(hidden=width, double_blocks=blocks,
-                                        single_blocks=blocks,
-                                        head_dim=min(128, width // 2))
-  rows = {}
-  for cfg, make in configurations(quick).items():
-    rows[cfg] = optimizer_step(make, shapes, mesh,
-                               not cfg.endswith("offload=False"), target)
-    print(f"  {target} {cfg}: {rows[cfg]['compile_s']:.0f} s", flush=True)
-  n = model_shapes.num_params(shapes)
-  tables.append({**stamp, "rows": rows, "offload_saving": offload_savings(rows),
-                 "shapes": (f"Optimizer step on FLUX.1-dev shapes, width "
-                            f"{width}, {blocks} + {blocks} blocks "
-                            f"({n / 1e6:.0f}M params, {len(shapes)} leaves)")})
+  flux = model_shapes.flux_dev_shapes(hidden=width, double_blocks=blocks,
+                                      single_blocks=blocks,
+                                      head_dim=min(128, width // 2))
+  equal = {f"w{i}": (side, side) for i in range(24)}
+  for shapes, what in (
+      (flux, f"FLUX.1-dev shapes, width {width}, {blocks} + {blocks} blocks"),
+      (equal, f"24 equal leaves of {side} x {side}")):
+    rows = {}
+    for cfg, make in configurations(quick).items():
+      rows[cfg] = optimizer_step(make, shapes, mesh,
+                                 not cfg.endswith("offload=False"), target)
+      print(f"  {target} {what}: {cfg}: {rows[cfg]['compile_s']:.0f} s",
+            flush=True)
+    n = model_shapes.num_params(shapes)
+    tables.append({**stamp, "rows": rows,
+                   "offload_saving": offload_savings(rows),
+                   "shapes": (f"Optimizer step on {what} ({n / 1e6:.0f}M "
+                              f"params, {len(shapes)} leaves)")})
   dit_width = 256 if quick else 1024
   batch, tokens = (2, 256) if quick else (4, 1024)
   for scan in (True,) if quick else (True, False):
@@ -565,8 +574,7 @@ def run_target(target: str, quick: bool, full: bool) -> list[dict]:
     rows = {}
     for cfg, (make, offload) in training_configurations().items():
       if quick and not cfg.startswith(("kahan(optax.adamw)",
-                                       "kahan(prodigy_factored())",
-                                       "kahan(leafwise")):
+                                       "kahan(prodigy_factored())")):
         continue
       rows[cfg] = training_step(cfg, make, shapes, mesh, target, batch,
                                 tokens, offload)

@@ -9,8 +9,8 @@ params and state donated, on the UNet of ``examples/finetune_diffusion.py``
 * ``bf16 adamw``: bf16 params, ``optax.adamw`` (bf16 state), plain apply;
 * ``kahan(adamw)``: bf16 params, float32 state, residuals in ``pinned_host``;
 * ``kahan(prodigy_factored)``: the low-memory configuration;
-* each ``kahan`` one again run leaf by leaf (``optax_kahan.leafwise``), whose
-  scratch should be bounded by one leaf: compare the peaks;
+* ``kahan(chain(clip_by_global_norm, adamw))``: a chain with a global sum
+  that keeps its per-leaf form (``optax_kahan.chain``);
 * ``float32 master adamw``: classic mixed precision.
 
 Per configuration: the median step time (interleaved, in one process) as a
@@ -45,9 +45,9 @@ from benchmarks import example
 from benchmarks import report
 
 ROOT = pathlib.Path(__file__).parent.parent
-CONFIGS = ("bf16 adamw", "kahan(adamw)", "kahan(leafwise(adamw))",
-           "kahan(prodigy_factored)", "kahan(prodigy_factored(leafwise))",
-           "float32 master adamw")
+CONFIGS = ("bf16 adamw", "kahan(adamw)",
+           "kahan(chain(clip_by_global_norm, adamw))",
+           "kahan(prodigy_factored)", "float32 master adamw")
 
 
 def make_step(name: str, width: int, batch: int):
@@ -80,10 +80,9 @@ def make_step(name: str, width: int, batch: int):
 
   tx = {"bf16 adamw": optax.adamw(1e-5),
         "kahan(adamw)": ok.kahan(optax.adamw(1e-5)),
-        "kahan(leafwise(adamw))": ok.kahan(ok.leafwise(optax.adamw(1e-5))),
-        "kahan(prodigy_factored)": ok.kahan(ok.prodigy_factored()),
-        "kahan(prodigy_factored(leafwise))": ok.kahan(
-            ok.prodigy_factored(leafwise=True))}[name]
+        "kahan(chain(clip_by_global_norm, adamw))": ok.kahan(ok.chain(
+            ok.clip_by_global_norm(1.0), optax.adamw(1e-5))),
+        "kahan(prodigy_factored)": ok.kahan(ok.prodigy_factored())}[name]
   params = ex.to_bf16(params32)
 
   @functools.partial(jax.jit, donate_argnums=(0,))

@@ -5,9 +5,9 @@
 The step is ``tx.update`` + ``optax.apply_updates`` on bf16 params, jitted with
 params and state donated, compiled for shapes only (``ShapeDtypeStruct``:
 nothing is allocated). Reported: ``compiled.memory_analysis()
-.temp_size_in_bytes`` per parameter, for each optimizer as it is (default) and
-run one leaf at a time (``optax_kahan.leafwise``: ``leafwise(tx)``, or the
-named optimizers' ``leafwise=True``), on
+.temp_size_in_bytes`` per parameter, for each optimizer as one whole-tree
+program and run one leaf at a time (``optax_kahan.leafwise(tx)``; ``kahan``
+always runs its inner transformation so), on
 
 * 64 leaves of 1M elements (``--quick``: 8 leaves of 64K, and nothing else),
 * FLUX.1-dev at full width (hidden 3072) with 2 double-stream and 2
@@ -19,7 +19,7 @@ The bound to compare with is ``16 B x largest leaf + 1 MiB``, also per
 parameter; a figure that does not fall with more leaves grows with the model.
 The same run also compiles the leafwise steps for half the leaves (32 x 1M) to
 show that their scratch does not depend on the leaf count, and times each
-default/leafwise pair side by side (interleaved, median of ``--reps``) on the
+whole-tree/leaf-by-leaf pair side by side (interleaved, median of ``--reps``) on the
 speed benchmark's 50M-parameter FLUX-shaped model.
 
 Writes ``benchmarks/results/step_memory{,_quick}.{md,json}``.
@@ -45,31 +45,26 @@ from benchmarks import speed
 
 Make = Callable[[], optax.GradientTransformation]
 
-# name: (default, leafwise or None where the optimizer couples all leaves)
-CONFIGS: dict[str, tuple[Make, Optional[Make]]] = {
+# name: (whole tree or None, leaf by leaf or None). kahan always runs its
+# inner transformation leaf by leaf (no whole-tree form); optax.contrib.prodigy
+# couples the leaves inside its own update (no leaf-by-leaf form).
+CONFIGS: dict[str, tuple[Optional[Make], Optional[Make]]] = {
     "optax.adamw": (lambda: optax.adamw(1e-4),
                     lambda: ok.leafwise(optax.adamw(1e-4))),
     "optax.adafactor": (lambda: optax.adafactor(1e-4),
                         lambda: ok.leafwise(optax.adafactor(1e-4))),
     "optax.contrib.prodigy": (optax.contrib.prodigy, None),
-    "kahan(optax.adamw)": (lambda: ok.kahan(optax.adamw(1e-4)),
-                           lambda: ok.kahan(ok.leafwise(optax.adamw(1e-4)))),
-    "kahan(optax.adafactor)": (
-        lambda: ok.kahan(optax.adafactor(1e-4)),
-        lambda: ok.kahan(ok.leafwise(optax.adafactor(1e-4)))),
-    "prodigy": (ok.prodigy, lambda: ok.prodigy(leafwise=True)),
-    "kahan(prodigy)": (lambda: ok.kahan(ok.prodigy()),
-                       lambda: ok.kahan(ok.prodigy(leafwise=True))),
+    "prodigy": (ok.prodigy, lambda: ok.leafwise(ok.prodigy())),
     "prodigy_factored": (ok.prodigy_factored,
-                         lambda: ok.prodigy_factored(leafwise=True)),
-    "kahan(prodigy_factored)": (
-        lambda: ok.kahan(ok.prodigy_factored()),
-        lambda: ok.kahan(ok.prodigy_factored(leafwise=True))),
+                         lambda: ok.leafwise(ok.prodigy_factored())),
     "stable_adamw": (lambda: ok.stable_adamw(1e-4),
-                     lambda: ok.stable_adamw(1e-4, leafwise=True)),
-    "kahan(stable_adamw)": (
-        lambda: ok.kahan(ok.stable_adamw(1e-4)),
-        lambda: ok.kahan(ok.stable_adamw(1e-4, leafwise=True))),
+                     lambda: ok.leafwise(ok.stable_adamw(1e-4))),
+    "kahan(optax.adamw)": (None, lambda: ok.kahan(optax.adamw(1e-4))),
+    "kahan(optax.adafactor)": (None, lambda: ok.kahan(optax.adafactor(1e-4))),
+    "kahan(prodigy)": (None, lambda: ok.kahan(ok.prodigy())),
+    "kahan(prodigy_factored)": (None,
+                                lambda: ok.kahan(ok.prodigy_factored())),
+    "kahan(stable_adamw)": (None, lambda: ok.kahan(ok.stable_adamw(1e-4))),
 }
 
 
@@ -121,7 +116,7 @@ def time_ratios(shapes: model_shapes.Shapes, reps: int) -> dict[str, float]:
   """
   ratios = {}
   for name, (default, leafwise) in CONFIGS.items():
-    if leafwise is None:
+    if leafwise is None or default is None:
       continue
     steps, carries, grads, times = {}, {}, {}, {}
     for mode, make in (("default", default), ("leafwise", leafwise)):
@@ -149,7 +144,8 @@ def run(models: dict[str, model_shapes.Shapes],
     rows = {}
     for name, (default, leafwise) in CONFIGS.items():
       rows[name] = {
-          "default": temp_bytes(default, shapes) / n,
+          "default": None if default is None
+                     else temp_bytes(default, shapes) / n,
           "leafwise": None if leafwise is None
                       else temp_bytes(leafwise, shapes) / n}
     out["models"][model] = {"params": n, "leaves": len(shapes),
@@ -172,15 +168,16 @@ def run(models: dict[str, model_shapes.Shapes],
 def to_markdown(results: dict) -> str:
   models = results["models"]
   lines = ["| step (bf16 params) | " + " | ".join(
-      f"{m} ({r['params'] / 1e6:.0f}M, {r['leaves']} leaves): default | "
-      "leafwise" for m, r in models.items()) + " | leafwise step time / "
-      "default |", "|---|" + "---|---|" * len(models) + "---|"]
+      f"{m} ({r['params'] / 1e6:.0f}M, {r['leaves']} leaves): whole tree | "
+      "leaf by leaf" for m, r in models.items()) + " | leaf-by-leaf step "
+      "time / whole tree |", "|---|" + "---|---|" * len(models) + "---|"]
   ratios = results["time_ratio_leafwise_over_default"]
   for name in CONFIGS:
     cells = []
     for m in models:
       row = models[m]["temp_B_per_param"][name]
-      cells.append(f"{row['default']:.2f}")
+      cells.append("n/a (always leaf by leaf)" if row["default"] is None
+                   else f"{row['default']:.2f}")
       cells.append("n/a (couples leaves)" if row["leafwise"] is None
                    else f"{row['leafwise']:.3f}")
     ratio = f"{ratios[name]:.2f}" if name in ratios else ""

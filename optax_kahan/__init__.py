@@ -1,44 +1,50 @@
 """optax_kahan: bfloat16 weights with float32-exact updates, for optax."""
 
-from optax_kahan.alias import prodigy
-from optax_kahan.alias import prodigy_factored
-from optax_kahan.alias import stable_adamw
-from optax_kahan.bits import merge_float32
-from optax_kahan.blockwise import blockwise_init
-from optax_kahan.blockwise import blockwise_loss
-from optax_kahan.blockwise import blockwise_step
-from optax_kahan.blockwise import BlockwiseModel
-from optax_kahan.blockwise import BlockwiseParams
-from optax_kahan.blockwise import BlockwiseState
-from optax_kahan.blockwise import nnx_blockwise
-from optax_kahan.bits import split_float32
-from optax_kahan.kahan import kahan
-from optax_kahan.kahan import kahan_apply_updates
-from optax_kahan.kahan import kahan_from_float32
-from optax_kahan.kahan import kahan_init
-from optax_kahan.kahan import kahan_replace_residuals
-from optax_kahan.kahan import kahan_residuals
-from optax_kahan.kahan import kahan_to_float32
-from optax_kahan.kahan import KahanState
-from optax_kahan.factored_second_moment import scale_by_factored_second_moment
-from optax_kahan.factored_second_moment import ScaleByFactoredSecondMomentState
-from optax_kahan.leafwise import for_each_leaf
-from optax_kahan.leafwise import leafwise
-from optax_kahan.leafwise import LeafwisePlan
-from optax_kahan.leafwise import LeafwiseTransformation
-from optax_kahan.prodigy import prodigy_d
-from optax_kahan.prodigy import scale_by_prodigy
-from optax_kahan.prodigy import ScaleByProdigyState
-from optax_kahan.second_moment import scale_by_second_moment
-from optax_kahan.second_moment import ScaleBySecondMomentState
-from optax_kahan.staging import stage_by_leaf
-from optax_kahan.stable_adamw import scale_by_stable_adamw
-from optax_kahan.stable_adamw import ScaleByStableAdamWState
-from optax_kahan.stochastic_rounding import stochastic_round
-from optax_kahan.stochastic_rounding import stochastic_round_apply_updates
-from optax_kahan.stochastic_rounding import stochastic_rounding
-from optax_kahan.stochastic_rounding import StochasticRoundingState
-from optax_kahan.train_state import kahan_train_state
+from optax_kahan._src.alias import prodigy
+from optax_kahan._src.alias import prodigy_factored
+from optax_kahan._src.alias import stable_adamw
+from optax_kahan._src.bits import merge_float32
+from optax_kahan._src.bits import split_float32
+from optax_kahan._src.blockwise import blockwise_init
+from optax_kahan._src.blockwise import blockwise_loss
+from optax_kahan._src.blockwise import blockwise_step
+from optax_kahan._src.blockwise import BlockwiseModel
+from optax_kahan._src.blockwise import BlockwiseParams
+from optax_kahan._src.blockwise import BlockwiseState
+from optax_kahan._src.blockwise import nnx_blockwise
+from optax_kahan._src.coupled import apply_if_finite
+from optax_kahan._src.coupled import clip_by_global_norm
+from optax_kahan._src.factored_second_moment import scale_by_factored_second_moment
+from optax_kahan._src.factored_second_moment import ScaleByFactoredSecondMomentState
+from optax_kahan._src.kahan import kahan
+from optax_kahan._src.kahan import kahan_apply_updates
+from optax_kahan._src.kahan import kahan_from_float32
+from optax_kahan._src.kahan import kahan_init
+from optax_kahan._src.kahan import kahan_replace_residuals
+from optax_kahan._src.kahan import kahan_residuals
+from optax_kahan._src.kahan import kahan_to_float32
+from optax_kahan._src.kahan import KahanState
+from optax_kahan._src.per_leaf import chain
+from optax_kahan._src.per_leaf import for_each_leaf
+from optax_kahan._src.per_leaf import LateSums
+from optax_kahan._src.per_leaf import LeafStages
+from optax_kahan._src.per_leaf import leafwise
+from optax_kahan._src.per_leaf import Round
+from optax_kahan._src.per_leaf import stages_of
+from optax_kahan._src.per_leaf import transformation as per_leaf_transformation
+from optax_kahan._src.prodigy import prodigy_d
+from optax_kahan._src.prodigy import scale_by_prodigy
+from optax_kahan._src.prodigy import ScaleByProdigyState
+from optax_kahan._src.second_moment import scale_by_second_moment
+from optax_kahan._src.second_moment import ScaleBySecondMomentState
+from optax_kahan._src.stable_adamw import scale_by_stable_adamw
+from optax_kahan._src.stable_adamw import ScaleByStableAdamWState
+from optax_kahan._src.stochastic_rounding import stochastic_round
+from optax_kahan._src.stochastic_rounding import stochastic_round_apply_updates
+from optax_kahan._src.stochastic_rounding import stochastic_rounding
+from optax_kahan._src.stochastic_rounding import StochasticRoundingState
+from optax_kahan._src.train_state import kahan_train_state
+from optax_kahan._src.validation import OptaxKahanWarning
 
 __version__ = "0.1.0"
 
@@ -47,16 +53,21 @@ __all__ = (
     "BlockwiseParams",
     "BlockwiseState",
     "KahanState",
-    "LeafwisePlan",
-    "LeafwiseTransformation",
+    "LateSums",
+    "LeafStages",
+    "OptaxKahanWarning",
+    "Round",
     "ScaleByFactoredSecondMomentState",
     "ScaleByProdigyState",
     "ScaleBySecondMomentState",
     "ScaleByStableAdamWState",
     "StochasticRoundingState",
+    "apply_if_finite",
     "blockwise_init",
     "blockwise_loss",
     "blockwise_step",
+    "chain",
+    "clip_by_global_norm",
     "for_each_leaf",
     "kahan",
     "kahan_apply_updates",
@@ -69,6 +80,7 @@ __all__ = (
     "leafwise",
     "merge_float32",
     "nnx_blockwise",
+    "per_leaf_transformation",
     "prodigy",
     "prodigy_d",
     "prodigy_factored",
@@ -77,7 +89,7 @@ __all__ = (
     "scale_by_second_moment",
     "scale_by_stable_adamw",
     "split_float32",
-    "stage_by_leaf",
+    "stages_of",
     "stochastic_round",
     "stochastic_round_apply_updates",
     "stochastic_rounding",

@@ -9,6 +9,13 @@ import optax
 import optax_kahan as ok
 
 
+def commit(tree):
+  """``tree`` committed to the first device, as restored or sharded params
+  are (``kahan``'s offloaded residuals are committed arrays; with
+  uncommitted params a jitted step compiles twice, and ``kahan`` warns)."""
+  return jax.device_put(tree, jax.devices()[0])
+
+
 def train(tx, params, grads_fn, steps):
   """``steps`` jitted update + apply steps with params and state donated.
 

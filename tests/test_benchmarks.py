@@ -64,9 +64,10 @@ def test_step_memory_quick_bounds_every_leafwise_step():
   for name, row in r["temp_B_per_param"].items():
     if row["leafwise"] is not None:
       assert row["leafwise"] <= r["bound_B_per_param"], name
+    if row["leafwise"] is not None and row["default"] is not None:
       assert results["time_ratio_leafwise_over_default"][name] > 0
-  assert r["temp_B_per_param"]["kahan(optax.adamw)"]["default"] > 4
-  assert "leafwise step time" in (
+  assert r["temp_B_per_param"]["prodigy"]["default"] > 4
+  assert "leaf-by-leaf step time" in (
       report.RESULTS / "step_memory_quick.md").read_text()
 
 

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import optax_kahan as ok
-from optax_kahan import blockwise as bw
+from optax_kahan._src import blockwise as bw
 
 W = 16
 
@@ -188,17 +188,24 @@ def test_blockwise_prodigy_matches_the_lagged_reference(make):
     for x, y in zip(jax.tree.leaves(p_bw), jax.tree.leaves(p_new)):
       worst = max(worst, float(np.max(np.abs(np.asarray(x) - np.asarray(y)))
                                / np.max(np.abs(np.asarray(y)))))
-    pend_ref = bw._prodigy_states(s_new)[0].pending
-    for group in bw._prodigy_states(s_bw):
-      np.testing.assert_allclose(np.asarray(group.pending).reshape(-1, 2),
+    pend_ref = _prodigy_states(s_new)[0].pending.sums
+    for group in _prodigy_states(s_bw):
+      pending = np.asarray(group.pending.sums)
+      np.testing.assert_allclose(pending.reshape(-1, 2),
                                  np.broadcast_to(pend_ref, (
-                                     np.size(group.pending) // 2, 2)),
+                                     np.size(pending) // 2, 2)),
                                  rtol=1e-6)
       np.testing.assert_array_equal(np.asarray(group.d).reshape(-1),
                                     float(ok.prodigy_d(s_new)))
     p_ref, s_ref = p_new, s_new
   assert worst <= 1e-6
   assert float(ok.prodigy_d(s_ref)) > 1e-5  # d grew: the sums matter
+
+
+def _prodigy_states(tree):
+  is_prodigy = lambda x: isinstance(x, ok.ScaleByProdigyState)
+  return [x for x in jax.tree.leaves(tree, is_leaf=is_prodigy)
+          if is_prodigy(x)]
 
 
 def test_lagged_prodigy_folds_the_last_step_into_d():

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import optax_kahan as ok
+from _steps import commit
 from _subprocess import run
 
 
@@ -16,8 +17,8 @@ def _bits(x):
 
 
 def _params():
-  return {"w": jnp.linspace(-1, 1, 32, dtype=jnp.bfloat16).reshape(4, 8),
-          "b": jnp.zeros(8, jnp.float32)}
+  return commit({"w": jnp.linspace(-1, 1, 32, dtype=jnp.bfloat16).reshape(4, 8),
+                 "b": jnp.zeros(8, jnp.float32)})
 
 
 def _grads(seed):
@@ -40,7 +41,7 @@ def test_nan_inf_bursts_are_skipped_exactly():
   """A burst shorter than max_consecutive_errors changes nothing: the run
   equals, bit for bit, the run that never saw the bad steps; the skips are
   counted in the apply_if_finite state."""
-  tx = ok.kahan(optax.apply_if_finite(optax.adamw(1e-2), 3))
+  tx = ok.kahan(ok.apply_if_finite(optax.adamw(1e-2), 3))
   good = [_grads(i) for i in range(4)]
   nan = jax.tree.map(lambda g: g.at[0].set(jnp.nan), good[0])
   inf = jax.tree.map(lambda g: g.at[-1].set(-jnp.inf), good[1])
@@ -57,7 +58,7 @@ def test_nan_inf_bursts_are_skipped_exactly():
 def test_burst_longer_than_the_limit_is_visible():
   """After max_consecutive_errors skips apply_if_finite lets the update
   through (optax's contract): the weights become NaN, loudly."""
-  tx = ok.kahan(optax.apply_if_finite(optax.adamw(1e-2), 2))
+  tx = ok.kahan(ok.apply_if_finite(optax.adamw(1e-2), 2))
   nan = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _grads(0))
   p, s = _train(tx, [_grads(1), nan, nan, nan])
   assert int(s.inner_state.total_notfinite) == 3
@@ -84,7 +85,7 @@ BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)  # 3.3895e38
 
 
 def _one_step(x0, u):
-  params = {"w": jnp.full(4, x0, jnp.bfloat16)}
+  params = commit({"w": jnp.full(4, x0, jnp.bfloat16)})
   tx = ok.kahan(optax.sgd(1.0))
   state = tx.init(params)
   upd, state = tx.update({"w": jnp.full(4, -u, jnp.float32)}, state, params)

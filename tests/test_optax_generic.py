@@ -32,7 +32,11 @@ Where an assumption does not apply:
   RMS 1: with a constant rate its steps stay about ``d`` long and circle the
   minimum of optax's tiny problems instead of settling within 3e-2. Its
   rows run with a cosine decay of the rate (a schedule, which the factory
-  accepts); ``prodigy`` converges with the constant rate.
+  accepts). So do ``prodigy``'s: with a constant rate it circles
+  Rosenbrock's minimum too, and whether it ends within 3e-2 after 30,000
+  steps depends on the last bit of one step (measured: a one-ulp change of
+  ``d`` near step 1,000, from XLA fusing the sums differently, moved the end
+  point from y = 0.997 to 0.914).
 """
 
 from __future__ import annotations
@@ -43,10 +47,17 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 from absl.testing import parameterized
 from optax.contrib import _common_test as common
 
 import optax_kahan as ok
+
+# optax's tests make uncommitted params (kahan warns: a second compilation)
+# and run Prodigy on bf16 params with d0 = 1e-6 (it warns: the run stalls,
+# which these dtype and plumbing checks do not mind).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::optax_kahan.OptaxKahanWarning")
 
 FACTORIES = {
     "prodigy": ok.prodigy,
@@ -60,7 +71,7 @@ FACTORIES = {
 }
 NAMED = ("prodigy", "prodigy_factored", "stable_adamw")
 DECAY = optax.cosine_decay_schedule(1.0, 30_000)
-KWARGS = {"prodigy": {"learning_rate": 1.0},
+KWARGS = {"prodigy": {"learning_rate": DECAY},
           "prodigy_factored": {"learning_rate": DECAY},
           "stable_adamw": {"learning_rate": 1e-2},
           "kahan_prodigy_factored": {"learning_rate": DECAY},

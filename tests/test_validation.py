@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from flax.core import FrozenDict
 
-from optax_kahan import validation
+from optax_kahan._src import validation
 
 
 def test_tree_mismatch_names_the_first_path_and_the_node_types():

@@ -13,6 +13,10 @@ leaf at fault, so that a mistake in a 1,000-leaf model is found in one read:
 * ``check_state``: the state handed to ``update`` is the one ``init`` made.
 * ``tree_mismatch``: the first path at which two trees differ, with the node
   types there (instead of two full tree dumps).
+
+Every warning of the package is an ``OptaxKahanWarning``, so that a test suite
+or a training script can turn them into errors
+(``warnings.simplefilter("error", OptaxKahanWarning)``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,18 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+
+
+class OptaxKahanWarning(UserWarning):
+  """A warning of optax_kahan: a run that works, but not as the user meant
+  (a second compilation, a stall, residuals in the wrong memory, a step that
+  runs on the whole tree)."""
+
+
+def warn(message: str, stacklevel: int) -> None:
+  """``warnings.warn`` with the package's category (``stacklevel`` counts
+  from the caller of ``warn``)."""
+  warnings.warn(message, OptaxKahanWarning, stacklevel=stacklevel + 1)
 
 
 def check_beta(name: str, value: Any) -> None:
@@ -57,7 +73,7 @@ def warn_low_precision_hyperparams(where: str, **hyperparams: Any) -> None:
   for name, value in hyperparams.items():
     dtype = getattr(value, "dtype", None)
     if dtype is not None and is_narrow_float(dtype):
-      warnings.warn(
+      warn(
           f"{where}: hyperparameter {name} is {jnp.dtype(dtype).name}, which "
           "rounds it (in bfloat16 0.999 is 1.0 and the second moment stops "
           "moving); with optax.inject_hyperparams pass "

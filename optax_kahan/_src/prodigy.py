@@ -49,19 +49,15 @@ References:
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 import chex
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan.leafwise import for_each_leaf
-from optax_kahan.leafwise import identity_decode
-from optax_kahan.leafwise import LeafwisePlan
-from optax_kahan.leafwise import LeafwiseTransformation
-from optax_kahan import validation
+from optax_kahan._src import per_leaf
+from optax_kahan._src import validation
 
 
 class ScaleByProdigyState(NamedTuple):
@@ -77,9 +73,9 @@ class ScaleByProdigyState(NamedTuple):
     s: the weighted sum of (sliced) gradients, one array per leaf.
     params0: the initial params, sliced.
     preconditioner_state: the wrapped preconditioner's state.
-    pending: with ``lagged_d``, this step's sums over the leaves it saw,
-      ``[(d / d0) dlr <g_S, x0_S - x_S>, sum |s|]``, folded into ``d`` at the
-      start of the next step; None otherwise.
+    pending: with ``lagged_d``, a ``LateSums`` of this step's sums over the
+      leaves it saw, ``[(d / d0) dlr <g_S, x0_S - x_S>, sum |s|]``, folded
+      into ``d`` at the start of the next step; None otherwise.
   """
   count: chex.Array
   k: chex.Array
@@ -90,7 +86,7 @@ class ScaleByProdigyState(NamedTuple):
   s: optax.Updates
   params0: optax.Params
   preconditioner_state: optax.OptState
-  pending: Optional[chex.Array] = None
+  pending: Optional[per_leaf.LateSums] = None
 
 
 def _explicit_axes(x: Any) -> tuple[str, ...]:
@@ -121,38 +117,27 @@ def _slice(x: jax.Array, slice_p: int) -> jax.Array:
   return jnp.reshape(x, (-1,))[::slice_p]
 
 
-def _warn_if_narrow(params: Any) -> None:
-  """Warns when Prodigy would update bfloat16 (or float16) weights directly.
+def _warn_if_narrow(params: Any, first_step: Any) -> None:
+  """Warns when Prodigy would update bfloat16 (or float16) weights directly
+  with first steps too small for them.
 
-  The first steps are ``d0 = 1e-6`` times the learning rate, far below half
-  an ulp of a bf16 weight (about ``2**-9 |w|``): the weights do not move,
-  ``<g, x0 - x>`` stays 0 and ``d`` never leaves ``d0``, without an error.
-  Inside ``kahan`` the estimator sees float32 weights and this never fires.
+  The first steps are about ``d0 * lr`` (``first_step``; 1e-6 by default),
+  far below half an ulp of a bf16 weight of magnitude 1 (``2**-8``; about
+  ``2**-9 |w|`` on average): the weights do not move, ``<g, x0 - x>`` stays
+  0 and ``d`` never leaves ``d0``, without an error. It warns when
+  ``first_step`` is a number below ``2**-9``. Inside ``kahan`` the estimator
+  sees float32 weights and this never fires.
   """
   narrow = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(params)
-                   if validation.is_narrow_float(x.dtype)})
-  if narrow:
-    warnings.warn(
+                   if validation.is_narrow_float(x.dtype)
+                   and not isinstance(x, jax.ShapeDtypeStruct)})
+  if narrow and isinstance(first_step, (int, float)) and first_step < 2**-9:
+    validation.warn(
         f"scale_by_prodigy on {', '.join(narrow)} params: its first steps "
-        "(d0 times the learning rate) are below half an ulp of these weights, "
-        "so they do not move and d stays at d0 (the run stalls). Wrap the "
-        "optimizer in optax_kahan.kahan(...), which gives it float32 weights",
-        stacklevel=4)
-
-
-def _total(scalars: list[jax.Array], dtype: jnp.dtype) -> jax.Array:
-  """The sum of per-leaf scalars, as one operation XLA keeps whole.
-
-  A Python ``sum`` is a chain of one add per leaf, and XLA copies that cheap
-  chain into every leaf's fused step that reads ``d``: the program grows with
-  the square of the number of leaves (216 leaves: 50,000 adds, a compile 3x
-  longer; ``benchmarks/compile_time.py``). ``jnp.sum`` of the stacked scalars
-  is rewritten into the same chain; the last entry of a cumulative sum (a
-  reduce-window) stays one operation that the fused steps read.
-  """
-  if not scalars:
-    return jnp.zeros([], dtype)
-  return jnp.cumsum(jnp.stack(scalars).astype(dtype))[-1]
+        f"(d0 times the learning rate, {first_step:.3g}) are below half an "
+        "ulp of these weights, so they do not move and d stays at d0 (the "
+        "run stalls). Wrap the optimizer in optax_kahan.kahan(...), which "
+        "gives it float32 weights", stacklevel=4)
 
 
 def _scalar_dtype(params: Any) -> jnp.dtype:
@@ -185,12 +170,9 @@ def scale_by_prodigy(
   Args:
     preconditioner: e.g. ``scale_by_second_moment(b1, b2, eps)``,
       ``scale_by_factored_second_moment(...)``, optionally chained with
-      ``optax.clip_by_block_rms``. Its ``update`` gets the extra args
-      ``d_ratio`` and ``d_growth``. Wrapped in ``leafwise(...)``, the whole
-      estimator runs leaf by leaf (a ``LeafwiseTransformation``): the sums
-      over leaves in a first pass, the moments and the step in a second, each
-      leaf in its own row of ``for_each_leaf``; the results are the same
-      bit for bit.
+      ``optax.clip_by_block_rms``: any transformation with a per-leaf form
+      (``optax_kahan.per_leaf``). Its ``update`` gets the extra args
+      ``d_ratio`` and ``d_growth``.
     learning_rate: multiplier of ``d`` (1.0 in Prodigy), float or schedule.
     b3: decay of ``r`` and ``s`` (``sqrt(b2)`` in prodigyopt).
     weight_decay: decoupled weight decay ``lambda``.
@@ -217,9 +199,14 @@ def scale_by_prodigy(
       ulp. A bfloat16 ``s`` is rounded to nearest at each step.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` (a ``LeafwiseTransformation``
-    when the preconditioner is one); extra args are passed on to the
-    preconditioner.
+    An ``optax.GradientTransformationExtraArgs`` with a per-leaf form: one
+    round (the sums ``<g_S, x0_S - x_S>`` and ``sum |s|``, none with
+    ``lagged_d``), then the preconditioner and the step. Extra args are
+    passed on to the preconditioner.
+
+  Raises:
+    ValueError: at the first update, when the preconditioner has no
+      per-leaf form.
 
   Example:
     >>> tx = scale_by_prodigy(scale_by_second_moment(0.9, 0.999, 1e-8))
@@ -246,7 +233,6 @@ def scale_by_prodigy(
     if validation.is_abstract(params):
       return jax.eval_shape(init_fn, params)
     validation.check_real("scale_by_prodigy", params)
-    _warn_if_narrow(params)
     dtype = _scalar_dtype(params)
     d = lambda: jnp.full([], d0, dtype)  # distinct buffers, so all donate
     return ScaleByProdigyState(
@@ -260,46 +246,41 @@ def scale_by_prodigy(
             lambda p: jnp.array(_slice(p, slice_p), dtype=state_dtype,
                                 copy=True), params),
         preconditioner_state=preconditioner.init(params),
-        pending=jnp.zeros([2], dtype) if lagged_d else None)
-
-  leafwise = isinstance(preconditioner, LeafwiseTransformation)
+        pending=(per_leaf.LateSums(jnp.zeros([2], dtype)) if lagged_d
+                 else None))
 
   def next_d(state, numerator, denom):
-    """``d_{k+1}``, ``d_max`` and ``r`` from the new ``r`` and ``sum |s|``.
-
-    Unchanged (``skip``) when ``sum |s| == 0``.
-    """
+    """``d_{k+1}``, ``d_max``, ``r`` and ``skip`` from the new ``r`` and
+    ``sum |s|``; unchanged (``skip``) when ``sum |s| == 0``."""
     skip = denom == 0
     d = state.d
     d_hat = d_coef * numerator / jnp.where(skip, 1, denom)
     d_new = jnp.where(d == d0, jnp.maximum(d, d_hat), d)
     d_max = jnp.maximum(state.d_max, d_hat)
     d_new = jnp.minimum(d_max, d_new * growth_rate)
-    return (jnp.where(skip, d, d_new), jnp.where(skip, state.d_max, d_max),
-            jnp.where(skip, state.numerator, numerator), skip)
+    return _Shared(jnp.where(skip, d, d_new),
+                   jnp.where(skip, state.d_max, d_max),
+                   jnp.where(skip, state.numerator, numerator), skip)
 
-  def fold_pending(state):
+  def fold(state):
     """With ``lagged_d``: the previous step's sums folded into ``d``."""
-    b3_ = jnp.asarray(b3, state.d.dtype)
-    d, d_max, numerator, skip = next_d(
-        state, b3_ * state.numerator + state.pending[0], state.pending[1])
+    sums = state.pending.sums
+    new = next_d(state, jnp.asarray(b3, state.d.dtype) * state.numerator
+                 + sums[0], sums[1])
     return state._replace(
-        k=jnp.where(skip, state.k, optax.safe_increment(state.k)),
-        d=d, d_prev=state.d, d_max=d_max, numerator=numerator)
+        k=jnp.where(new.skip, state.k, optax.safe_increment(state.k)),
+        d=new.d, d_prev=state.d, d_max=new.d_max, numerator=new.numerator)
 
-  def first_pass(grads, state, xs, decode):
-    """Everything that sums over all leaves: d, r, s and the step's scalars.
-
-    ``grads`` and ``xs`` are lists in leaf order; ``decode(g, x)`` turns one
-    leaf's entries into the float values (identity, or ``kahan``'s merge).
-    Leaf by leaf (rows of ``for_each_leaf`` when the preconditioner is
-    leafwise) it computes ``<g_S, x0_S - x_S>``, the new ``s`` and
-    ``sum |s|``; the rest is scalar.
-    """
+  def stages(updates, state, params, **extra_args):
+    if params is None:
+      raise ValueError("scale_by_prodigy needs params: "
+                       "tx.update(grads, state, params)")
+    validation.check_state("scale_by_prodigy", state, ScaleByProdigyState)
+    _warn_if_narrow(params, d0 * (1.0 if callable(learning_rate)
+                                   else learning_rate))
     if lagged_d:
-      state = fold_pending(state)
+      state = fold(state)
     dtype = state.d.dtype
-    k = state.k
     lr = (learning_rate(state.count) if callable(learning_rate)
           else learning_rate)
     lr = jnp.asarray(lr, dtype)
@@ -307,93 +288,100 @@ def scale_by_prodigy(
     bc = 1.0
     if bias_correction is not None:
       b1, b2 = (jnp.asarray(b, dtype) for b in bias_correction)
-      kf = (k + 1).astype(dtype)
+      kf = (state.k + 1).astype(dtype)
       bc = jnp.sqrt(1 - b2**kf) / (1 - b1**kf)
     dlr = d * lr * bc
     weight = (d / d0) * dlr
     s_weight = (d / d0) * d if safeguard_warmup else weight
     b3_ = jnp.asarray(b3, dtype)
+    d_ratio = state.d_prev / d
+    frozen = lr == 0  # prodigyopt skips the whole step, moments included.
+    pst, reason = per_leaf.stages_of(
+        preconditioner, updates, state.preconditioner_state, params,
+        d_ratio=d_ratio, d_growth=jnp.ones([], dtype), **extra_args)
+    if pst is None:
+      raise ValueError(
+          f"scale_by_prodigy: the preconditioner has no per-leaf form "
+          f"({reason}); build it from per-leaf transformations, with "
+          "optax_kahan.chain, clip_by_global_norm and apply_if_finite where "
+          "leaves are coupled")
 
-    def leaf_stats(g, x, x0, s):
-      g, x = decode(g, x)
+    def statistic(g, ls, x, shared, **extra):
+      # <g_S, x0_S - x_S> and the new s with its sum |s|.
+      del shared, extra
+      s, x0, ps = ls[:3]
       g_s = _slice(g, slice_p).astype(dtype)
       x_s = _slice(x, slice_p).astype(dtype)
       dot = jnp.sum(g_s * (x0.astype(dtype) - x_s))
       s = (b3_ * s.astype(dtype) + s_weight * g_s).astype(s.dtype)
-      return dot, s, jnp.sum(jnp.abs(s.astype(dtype)))
+      return jnp.stack([dot, jnp.sum(jnp.abs(s.astype(dtype)))]), (s, x0, ps)
 
-    rows = (grads, xs, jax.tree.leaves(state.params0), jax.tree.leaves(state.s))
-    stats = ([chained for _, chained in for_each_leaf(
-        lambda *row: (None, leaf_stats(*row)), *rows)] if leafwise
-             else [leaf_stats(*row) for row in zip(*rows)])
-    dots = weight * _total([t[0] for t in stats], dtype)
-    s = jax.tree.unflatten(jax.tree.structure(state.s), [t[1] for t in stats])
-    denom = _total([t[2] for t in stats], dtype)
-    frozen = lr == 0  # prodigyopt skips the whole step, moments included.
+    def combine(sums, shared):
+      new = next_d(state, b3_ * state.numerator + weight * sums[0], sums[1])
+      return new._replace(d_growth=new.d / d, pshared=shared.pshared)
 
-    if lagged_d:  # d_{k+1} is left for the next step; no step is skipped.
-      skip = False
-      d_growth = jnp.ones([], dtype)
+    def precondition(rnd):
+      # A round of the preconditioner's own, after d_{k+1} is known.
+      def fn(g, ls, x, shared, **extra):
+        stat, ps = rnd.statistic(g, ls[2], x, shared.pshared, d_ratio=d_ratio,
+                                 d_growth=shared.d_growth, **extra)
+        return stat, (*ls[:2], ps)
+      return per_leaf.Round(fn, lambda sums, shared: shared._replace(
+          pshared=rnd.combine(sums, shared.pshared)))
 
-      def finish(pstate):
-        new_state = state._replace(s=s, preconditioner_state=pstate,
-                                   pending=jnp.stack([dots, denom]))
-        new_state = jax.tree.map(lambda new, old: jnp.where(frozen, old, new),
-                                 new_state, state._replace(
-                                     pending=jnp.zeros_like(state.pending)))
-        return new_state._replace(count=optax.safe_increment(state.count))
-    else:
-      d_new, d_max, numerator, skip = next_d(
-          state, b3_ * state.numerator + dots, denom)
-      d_growth = d_new / d
-
-      def finish(pstate):
-        new_state = state._replace(
-            k=jnp.where(skip, k, optax.safe_increment(k)),
-            d=d_new, d_prev=d, d_max=d_max, numerator=numerator,
-            s=s, preconditioner_state=pstate)
-        new_state = jax.tree.map(lambda new, old: jnp.where(frozen, old, new),
-                                 new_state, state)
-        return new_state._replace(count=optax.safe_increment(state.count))
-
-    def step(u, x):
+    def update(g, ls, x, shared, **extra):
+      late = ()
+      if lagged_d:  # the step's statistics, summed into d_{k+1} next step
+        stat, ls = statistic(g, ls, x, shared)
+        late = (stat,)
+      s, x0, ps = ls
+      u, ps = pst.update(g, ps, x, shared.pshared, d_ratio=d_ratio,
+                         d_growth=shared.d_growth, **extra)
       step = -dlr * (u.astype(dtype) + weight_decay * x.astype(dtype))
-      return jnp.where(skip | frozen, 0, step).astype(u.dtype)
+      step = jnp.where(shared.skip | frozen, 0, step).astype(u.dtype)
+      return step, (s, x0, ps, *late)
 
-    scales = {"d_ratio": state.d_prev / d, "d_growth": d_growth}
-    return scales, step, finish
+    def finish(states, shared):
+      new = state._replace(
+          s=jax.tree.unflatten(jax.tree.structure(state.s),
+                               [ls[0] for ls in states]),
+          preconditioner_state=pst.finish([ls[2] for ls in states],
+                                          shared.pshared))
+      if lagged_d:
+        sums = per_leaf.total([ls[3] for ls in states])
+        pending = per_leaf.LateSums(jnp.stack([weight * sums[0], sums[1]]))
+        old = state._replace(pending=per_leaf.LateSums(
+            jnp.zeros_like(state.pending.sums)))
+        new = new._replace(pending=pending)
+      else:
+        old = state
+        new = new._replace(
+            k=jnp.where(shared.skip, state.k, optax.safe_increment(state.k)),
+            d=shared.d, d_prev=d, d_max=shared.d_max,
+            numerator=shared.numerator)
+      new = jax.tree.map(lambda n, o: jnp.where(frozen, o, n), new, old)
+      return new._replace(count=optax.safe_increment(state.count))
 
-  def check_params(params, state):
-    if params is None:
-      raise ValueError("scale_by_prodigy needs params: "
-                       "tx.update(grads, state, params)")
-    validation.check_state("scale_by_prodigy", state, ScaleByProdigyState)
+    shared = _Shared(d, state.d_max, state.numerator, jnp.zeros([], bool),
+                     jnp.ones([], dtype), pst.shared)
+    rounds = () if lagged_d else (per_leaf.Round(statistic, combine),)
+    return per_leaf.LeafStages(
+        list(zip(jax.tree.leaves(state.s), jax.tree.leaves(state.params0),
+                 pst.leaf_states)),
+        shared, rounds + tuple(precondition(r) for r in pst.rounds), update,
+        finish)
 
-  def update_fn(updates, state, params=None, **extra_args):
-    check_params(params, state)
-    grads, treedef = jax.tree.flatten(updates)
-    scales, step, finish = first_pass(
-        grads, state, treedef.flatten_up_to(params), identity_decode)
-    direction, pstate = preconditioner.update(
-        updates, state.preconditioner_state, params, **scales, **extra_args)
-    return jax.tree.map(step, direction, params), finish(pstate)
+  return per_leaf.transformation(init_fn, stages)
 
-  def prepare_fn(grads, state, xs, decode, treedef, **extra_args):
-    check_params(xs, state)
-    scales, step, finish = first_pass(grads, state, xs, decode)
-    plan = preconditioner.prepare(grads, state.preconditioner_state, xs,
-                                  decode, treedef, **scales, **extra_args)
 
-    def leaf_update(g, s, x):
-      u, s = plan.leaf_update(g, s, x)
-      return step(u, x), s
-
-    return LeafwisePlan(leaf_update, plan.leaf_states,
-                        lambda states: finish(plan.finish(states)))
-
-  if leafwise:
-    return LeafwiseTransformation(init_fn, prepare_fn)
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+class _Shared(NamedTuple):
+  """What Prodigy's per-leaf stages share: ``d_{k+1}`` and its companions."""
+  d: jax.Array
+  d_max: jax.Array
+  numerator: jax.Array
+  skip: jax.Array
+  d_growth: Any = None
+  pshared: Any = None  # the preconditioner's
 
 
 def prodigy_d(opt_state: optax.OptState) -> jax.Array:

@@ -14,9 +14,9 @@ The sequence of ``x`` is bit for bit that of float32 master weights, while the
 device holds 2 bytes per weight. Between steps the residuals live in host memory
 (memory kind ``pinned_host``); inside a jitted step they move with
 ``jax.device_put(..., jax.memory.Space.Device / Host)``, so the step stays one
-XLA program. Lowered for a GPU, the step brings them in one leaf at a time
-(``optax_kahan.staging``): XLA would otherwise copy them all in at the start,
-and offloading would save no device memory at the peak.
+XLA program. The step runs leaf by leaf (``optax_kahan.per_leaf``), each
+residual copied in for its own leaf's rows: XLA would otherwise copy them all
+in at the start, and offloading would save no device memory at the peak.
 
 Leaves: bfloat16 leaves get a residual; float32 and float64 leaves need none
 and are updated normally (their residual slot is ``None``); any other dtype
@@ -30,87 +30,28 @@ References:
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan import bits
-from optax_kahan import validation
-from optax_kahan.bits import Rounding
-from optax_kahan.leafwise import for_each_leaf
-from optax_kahan.leafwise import LeafwiseTransformation
-from optax_kahan.staging import on_host
-from optax_kahan.staging import stage_by_leaf
+from optax_kahan._src import bits
+from optax_kahan._src import per_leaf
+from optax_kahan._src import validation
+from optax_kahan._src.bits import Rounding
+from optax_kahan._src.leaves import is_none
+from optax_kahan._src.leaves import landing_delta
+from optax_kahan._src.leaves import leaves_like
+from optax_kahan._src.leaves import map_leaves
+from optax_kahan._src.leaves import needs_residual
+from optax_kahan._src.leaves import paths
+from optax_kahan._src.leaves import upcast
+from optax_kahan._src.per_leaf import on_host
 
 Residuals = Any  # A tree like the params: uint16 arrays, None for wide leaves.
-
-_WIDE_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
-
-
-def _leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: x is None)
-  return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
-
-
-def needs_residual(leaf: Any, path: str = "") -> bool:
-  """True for bfloat16 leaves, False for float32/float64 or None ones.
-
-  Raises:
-    ValueError: for any other dtype, naming ``path``.
-  """
-  if leaf is None:
-    return False
-  dtype = jnp.result_type(leaf)
-  if dtype == jnp.bfloat16:
-    return True
-  if dtype in _WIDE_FLOATS:
-    return False
-  raise ValueError(
-      f"leaf {path or '<root>'} has dtype {dtype}: Kahan-compensated updates "
-      "take bfloat16 leaves (with a residual) or float32/float64 leaves "
-      "(updated normally); cast it, or leave it out with optax.masked")
-
-
-def _is_none(x: Any) -> bool:
-  return x is None
-
-
-def _leaves_like(params: Any, tree: Any, what: str,
-                 strict: bool = False) -> list[Any]:
-  """``tree``'s entries, one per leaf of ``params`` (None leaves included).
-
-  Unless ``strict``, the trees may differ in node types where their key
-  paths agree: a Flax NNX ``nnx.state(model, nnx.Param)`` against the
-  optimizer's ``OptVariable`` nodes, say. A ``optax.MaskedNode`` stands for a
-  leaf that an outer ``optax.masked`` or ``optax.partition`` keeps away from
-  this ``kahan``.
-
-  Raises:
-    ValueError: naming the first path where the trees differ, and what each
-      has there (a ``FrozenDict`` against a ``dict``, a missing key).
-  """
-  treedef = jax.tree.structure(params, is_leaf=_is_none)
-  try:
-    return treedef.flatten_up_to(tree)
-  except (ValueError, TypeError):
-    if strict:
-      where = validation.tree_mismatch(params, tree, names=("params", what),
-                                       is_leaf=_is_none)
-      raise ValueError(
-          f"{what} do not match the params' tree: {where}") from None
-  p_flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_none)[0]
-  t_flat = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))[0]
-  if ([jax.tree_util.keystr(k) for k, _ in p_flat]
-      == [jax.tree_util.keystr(k) for k, _ in t_flat]):
-    return [x for _, x in t_flat]
-  where = validation.tree_mismatch(params, tree, names=("params", what),
-                                   is_leaf=_is_none)
-  raise ValueError(f"{what} do not match the params' tree: {where}")
 
 
 def _check_residuals(params: Any, residuals: Residuals,
@@ -125,8 +66,9 @@ def _check_residuals(params: Any, residuals: Residuals,
     ValueError: naming the leaf whose residual is missing, superfluous or of
       the wrong dtype or shape, or the first path where the trees differ.
   """
-  lows = _leaves_like(params, residuals, "residuals", strict=not allow_masked)
-  for (path, p), r in zip(_leaves_with_paths(params), lows):
+  lows = leaves_like(params, residuals, "residuals", strict=not allow_masked)
+  flat = jax.tree.structure(params, is_leaf=is_none).flatten_up_to(params)
+  for path, p, r in zip(paths(params), flat, lows):
     if allow_masked and isinstance(r, optax.MaskedNode):
       continue
     if needs_residual(p, path):
@@ -149,24 +91,6 @@ def _check_residuals(params: Any, residuals: Residuals,
   return lows
 
 
-def _map(fn, params: Any, *trees: Any) -> Any:
-  """Maps ``fn(path, p, *xs)`` over params' leaves (None leaves included)."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(
-      params, is_leaf=lambda x: x is None)
-  others = [_leaves_like(params, t, "trees") for t in trees]
-  out = [fn(jax.tree_util.keystr(path), p, *xs)
-         for (path, p), *xs in zip(flat, *others)]
-  return jax.tree.unflatten(treedef, out)
-
-
-def _unzip(tree: Any, treedef_source: Any) -> tuple[Any, Any]:
-  """Splits a tree of pairs (built by ``_map``) into two trees."""
-  treedef = jax.tree.structure(treedef_source, is_leaf=lambda x: x is None)
-  pairs = treedef.flatten_up_to(tree)
-  return (jax.tree.unflatten(treedef, [a for a, _ in pairs]),
-          jax.tree.unflatten(treedef, [b for _, b in pairs]))
-
-
 def to_host(x: jax.Array) -> jax.Array:
   """Sends ``x`` to host memory (``pinned_host``), keeping its sharding."""
   return jax.device_put(x, jax.memory.Space.Host)
@@ -181,6 +105,33 @@ def _back_where_from(lows: list[Any], new_lows: list[Any]) -> list[Any]:
   """Each new residual sent to the memory its old one came from."""
   return [to_host(new) if lo is not None and on_host(lo) else new
           for lo, new in zip(lows, new_lows)]
+
+
+def _exact(p: jax.Array, lo: Any, rounding: Rounding) -> jax.Array:
+  """The exact float32 weight ``merge(p, lo)``; a wide leaf (lo None) as is."""
+  if lo is None:
+    return p
+  return bits.merge_float32(p, to_device(lo) if on_host(lo) else lo,
+                            rounding)
+
+
+def _add(p: jax.Array, lo: Any, x: jax.Array, u: jax.Array,
+         rounding: Rounding) -> tuple[jax.Array, Any]:
+  """``split(x + u)`` for a bf16 leaf (``x = merge(p, lo)``), ``p + u`` else."""
+  if lo is None:
+    return (p + u).astype(p.dtype), None
+  return bits.split_float32(x + u.astype(jnp.float32), rounding)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["p", "lo"], meta_fields=["host"])
+@dataclasses.dataclass(frozen=True)
+class _Weight:
+  """One leaf's row input: its bf16 weight, its residual, and (static)
+  whether the residual lives in host memory."""
+  p: jax.Array
+  lo: Any
+  host: bool
 
 
 def kahan_init(
@@ -210,7 +161,7 @@ def kahan_init(
     lo = jnp.zeros_like(p, dtype=jnp.uint16)
     return to_host(lo) if offload else lo
 
-  return _map(init_leaf, params)
+  return map_leaves(init_leaf, params)
 
 
 def kahan_apply_updates(
@@ -248,30 +199,22 @@ def kahan_apply_updates(
   """
   bits.check_rounding(rounding)
   lows = _check_residuals(params, residuals)
-  treedef = jax.tree.structure(params, is_leaf=_is_none)
+  treedef = jax.tree.structure(params, is_leaf=is_none)
 
-  def apply_all(leaves, _):
-    # Leaf by leaf; on a GPU, stage_by_leaf brings the host residuals in one
-    # leaf ahead instead of all at once.
-    new_params, new_lows = [], []
-    for p, u, lo in leaves:
-      if p is None or lo is None:
-        new_params.append(None if p is None else (p + u).astype(p.dtype))
-        new_lows.append(None)
-        continue
-      x = bits.merge_float32(p, to_device(lo) if on_host(lo) else lo,
-                             rounding)
-      hi, lo = bits.split_float32(x + u.astype(jnp.float32), rounding)
-      new_params.append(hi)
-      new_lows.append(lo)
-    return new_params, new_lows, ()
+  def row(w, u):
+    # One leaf: the new weight is free (XLA may fuse it into its reader), the
+    # new residual chained, sent back to the host inside the row.
+    if w.p is None:
+      return None, None
+    p, lo = _add(w.p, w.lo, _exact(w.p, w.lo, rounding), u, rounding)
+    return p, to_host(lo) if w.host else lo
 
-  new_params, new_lows, _ = stage_by_leaf(
-      apply_all, list(zip(treedef.flatten_up_to(params),
-                          _leaves_like(params, updates, "updates"), lows)),
-      ())
-  return (treedef.unflatten(new_params),
-          treedef.unflatten(_back_where_from(lows, new_lows)))
+  outs = per_leaf.for_each_leaf(
+      row, [_Weight(p, lo, lo is not None and on_host(lo)) for p, lo in
+            zip(treedef.flatten_up_to(params), lows)],
+      leaves_like(params, updates, "updates"))
+  return (treedef.unflatten([p for p, _ in outs]),
+          treedef.unflatten([lo for _, lo in outs]))
 
 
 def kahan_from_float32(
@@ -305,7 +248,11 @@ def kahan_from_float32(
     hi, lo = bits.split_float32(x, rounding)
     return hi, to_host(lo) if offload else lo
 
-  return _unzip(_map(split_leaf, params_f32), params_f32)
+  pairs = map_leaves(split_leaf, params_f32)
+  treedef = jax.tree.structure(params_f32, is_leaf=is_none)
+  pairs = treedef.flatten_up_to(pairs)
+  return (treedef.unflatten([a for a, _ in pairs]),
+          treedef.unflatten([b for _, b in pairs]))
 
 
 def kahan_to_float32(
@@ -334,12 +281,9 @@ def kahan_to_float32(
   def merge_leaf(path, p, lo):
     if isinstance(lo, optax.MaskedNode):
       return p.astype(jnp.promote_types(p.dtype, jnp.float32))
-    if lo is None:
-      return p
-    return bits.merge_float32(p, to_device(lo) if on_host(lo) else lo,
-                              rounding)
+    return _exact(p, lo, rounding)
 
-  return _map(merge_leaf, params, residuals)
+  return map_leaves(merge_leaf, params, residuals)
 
 
 class KahanState(NamedTuple):
@@ -356,15 +300,17 @@ def kahan(
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` so that bfloat16 params train as exact float32 ones.
 
-  At each step, with ``x = merge(p, lo)`` the exact float32 params::
+  At each step, for every leaf, with ``x = merge(p, lo)`` its exact float32
+  weight::
 
-    u, inner_state = inner.update(float32(g), inner_state, x, **extra_args)
+    u, inner_state = inner's update(float32(g), inner_state, x, **extra_args)
     p', lo'        = split(x + u)
     returned delta = float32(p') - float32(p)
 
-  ``inner.init`` and ``inner.update`` see the exact float32 params and float32
-  gradients (an exact upcast), so the inner moments live in float32, and weight
-  decay or Prodigy's distance to the initial point see the true weights.
+  ``inner.init`` and ``inner``'s update see the exact float32 params and
+  float32 gradients (an exact upcast), so the inner moments live in float32,
+  and weight decay or Prodigy's distance to the initial point see the true
+  weights.
 
   Why float32 deltas: ``optax.apply_updates`` computes ``(p + u).astype(p.dtype)``.
   With ``u = float32(p') - float32(p)`` the sum is ``p'`` exactly and the cast
@@ -383,27 +329,20 @@ def kahan(
   float32 weights, e.g. ``params, residuals = kahan_from_float32(w32)``, and
   the inner state is initialized from them too (Prodigy's ``x0``, say).
 
-  Residual staging on a GPU: lowered for a GPU, the step above is traced
-  once on the whole tree and its equations run in a chain of optimization
-  barriers (``optax_kahan.staging.stage_by_leaf``): each host residual is
-  copied in once the leaf two before it is done and its own gradient
-  exists, and copied back right after its split, so about two leaves'
-  residuals are on the device at once instead of all of them, and a copy
-  may overlap the previous leaf's update. The arithmetic is the whole-tree
-  step's, bit for bit (shared scalars such as a bias correction or
-  Prodigy's ``d`` are computed once). An inner transformation whose shared
-  values read the weights (Prodigy's ``<g, x0 - x>``) copies each residual
-  in twice, once for those values and once for the update. Lowered for the
-  CPU, the step runs as written.
-
-  Scratch memory: XLA:CPU keeps every leaf's float32 temporaries of this
-  step alive at once (about 6 B/param with ``optax.adamw``). With ``inner``
-  a ``LeafwiseTransformation`` (``leafwise(tx)``, ``prodigy(leafwise=True)``,
-  ...) each leaf's merge, inner update and split run as one row of
-  ``for_each_leaf``, ordered after the previous leaf's, with the same
-  results; on the CPU the scratch is then about one leaf's (at most 16 B per
-  element of the largest leaf); on a GPU it stages the residuals as the
-  default step does (``benchmarks/gpu_compile.py``).
+  Leaf by leaf: the step runs ``inner``'s per-leaf stages
+  (``optax_kahan.per_leaf``) in rows of ``for_each_leaf``; each leaf's merge,
+  statistics, update and split happen inside its own rows, with its host
+  residual copied in one row ahead and sent back after. On a GPU about two
+  leaves' residuals are then on the device at once instead of all of them;
+  on the CPU, one leaf's temporaries. Prodigy's sums take one more pass, so
+  its residuals are copied in twice. The results are ``inner`` applied to
+  each leaf alone (bit for bit; see ``optax_kahan.per_leaf`` on the one XLA
+  rewrite that makes that differ from a whole-tree program by an ulp).
+  An ``inner`` with no per-leaf form (it couples leaves in a way it does not
+  declare: ``optax.clip_by_global_norm`` or ``optax.apply_if_finite`` inside
+  an ``optax.chain``) runs on the whole tree, with a warning that names why:
+  on a GPU every residual is then staged at once. ``optax_kahan.chain``,
+  ``clip_by_global_norm`` and ``apply_if_finite`` keep the per-leaf form.
 
   Donation: params and state can be donated to the jitted step. The residuals
   travel between host and device inside it, so XLA does not alias their
@@ -421,9 +360,9 @@ def kahan(
   Wrappers: ``kahan`` goes outermost, or under wrappers that keep the
   updates as they are (``optax.MultiSteps``, ``optax.masked``,
   ``optax.partition``, ``optax.inject_hyperparams``). Put
-  ``optax.apply_if_finite`` inside, ``kahan(optax.apply_if_finite(tx, n))``:
-  around ``kahan`` it would pair the float32 deltas with zeros in the
-  gradients' dtype, which ``lax.cond`` refuses for bf16 gradients.
+  ``apply_if_finite`` inside, ``kahan(apply_if_finite(tx, n))``: around
+  ``kahan`` it would pair the float32 deltas with zeros in the gradients'
+  dtype, which ``lax.cond`` refuses for bf16 gradients.
 
   Args:
     inner: any optax transformation (extra args such as ``value`` are passed
@@ -434,7 +373,8 @@ def kahan(
       (``pinned_host``, the default) or device memory (False).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is ``KahanState``.
+    An ``optax.GradientTransformationExtraArgs`` whose state is
+    ``KahanState``; it implements the per-leaf contract itself.
 
   Example:
     >>> import optax
@@ -456,7 +396,7 @@ def kahan(
       return jax.eval_shape(init_fn, params, residuals)
     if residuals is None:
       residuals = kahan_init(params, rounding=rounding, offload=offload)
-      state = KahanState(residuals, inner.init(_upcast(params)))
+      state = KahanState(residuals, inner.init(upcast(params)))
     else:
       _check_residuals(params, residuals)
       exact = kahan_to_float32(params, residuals, rounding=rounding)
@@ -465,86 +405,91 @@ def kahan(
       state = KahanState(residuals, inner.init(exact))
     return _commit_with(state, params) if offload else state
 
-  def exact(p, lo):
-    # The exact float32 weight merge(p, lo); wide leaves (lo None) as they are.
-    if lo is None:
-      return p
-    return bits.merge_float32(p, to_device(lo) if on_host(lo) else lo,
-                              rounding)
-
-  def update_fn(updates, state, params=None, **extra_args):
+  def checked(updates, state, params):
+    # The residuals one per gradient leaf (None gradients included), checked.
     if params is None:
       raise ValueError("kahan(...).update needs params: call "
                        "tx.update(grads, state, params)")
     validation.check_state("kahan(...)", state, KahanState)
     _check_memory(params, _check_residuals(params, state.residuals), offload)
-    if isinstance(inner, LeafwiseTransformation):
-      return leafwise_update(updates, state, params, extra_args)
-    treedef = jax.tree.structure(params, is_leaf=_is_none)
-    grads_def = jax.tree.structure(updates, is_leaf=_is_none)
+    return leaves_like(updates, state.residuals, "residuals")
 
-    def whole_tree(leaves, inner_state):
-      # merge, inner.update on the whole tree, split: (deltas, new device
-      # residuals, new inner state), for stage_by_leaf.
-      x32 = [exact(p, lo) for _, p, lo in leaves]
-      grads = _upcast(grads_def.unflatten([g for g, _, _ in leaves]))
-      u, inner_state = inner.update(grads, inner_state,
-                                    treedef.unflatten(x32), **extra_args)
-      deltas, new_lows = [], []
-      for (_, p, lo), x, u in zip(leaves, x32, treedef.flatten_up_to(u)):
-        if p is None or u is None:
-          delta = None
-        elif lo is None:
-          delta = u
-        else:
-          hi, lo = bits.split_float32(x + u.astype(jnp.float32), rounding)
-          delta = landing_delta(p, hi)
-        deltas.append(delta)
-        new_lows.append(lo)
-      return deltas, new_lows, inner_state
+  def new_residuals(updates, state, lows, new_lows):
+    # The residual tree with the rows' new residuals (one per non-None
+    # gradient), each sent back to the memory its old one came from.
+    full = jax.tree.structure(updates, is_leaf=is_none).flatten_up_to(updates)
+    it = iter(_back_where_from([lo for g, lo in zip(full, lows)
+                                if g is not None], new_lows))
+    out = [lo if g is None else next(it) for g, lo in zip(full, lows)]
+    return jax.tree.structure(state.residuals, is_leaf=is_none).unflatten(out)
 
-    lows = treedef.flatten_up_to(state.residuals)
-    grads = _leaves_like(params, updates, "updates")
-    deltas, new_lows, inner_state = stage_by_leaf(
-        whole_tree, list(zip(grads, treedef.flatten_up_to(params), lows)),
-        state.inner_state)
+  def stages(updates, state, params, **extra_args):
+    all_lows = checked(updates, state, params)
+    lows = jax.tree.structure(updates).flatten_up_to(
+        jax.tree.structure(updates, is_leaf=is_none).unflatten(all_lows))
+    exact_like = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(
+            p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+    inner_st, reason = per_leaf.stages_of(
+        inner, upcast(updates), state.inner_state, exact_like, **extra_args)
+    if inner_st is None:
+      validation.warn(
+          f"kahan: the inner transformation has no per-leaf form ({reason}); "
+          "its step runs on the whole tree, so on a GPU every host residual "
+          "is staged on the device at once. optax_kahan.chain, "
+          "clip_by_global_norm and apply_if_finite keep the per-leaf form",
+          stacklevel=5)
+      return None
+
+    def statistic(rnd):
+      def fn(g, s, w, shared, **extra):
+        return rnd.statistic(upcast(g), s, _exact(w.p, w.lo, rounding),
+                             shared, **extra)
+      return per_leaf.Round(fn, rnd.combine)
+
+    def update(g, s, w, shared, **extra):
+      # The new residual goes back to host memory inside the leaf's row, so
+      # that the next leaf's rows wait for its copy (on a GPU).
+      x = _exact(w.p, w.lo, rounding)
+      u, s = inner_st.update(upcast(g), s, x, shared, **extra)
+      hi, new_lo = _add(w.p, w.lo, x, u, rounding)
+      if w.lo is None:
+        return u, (None, s)
+      return (landing_delta(w.p, hi),
+              (to_host(new_lo) if w.host else new_lo, s))
+
+    def finish(states, shared):
+      return KahanState(
+          new_residuals(updates, state, all_lows, [lo for lo, _ in states]),
+          inner_st.finish([s for _, s in states], shared))
+
+    return per_leaf.LeafStages(
+        inner_st.leaf_states, inner_st.shared,
+        tuple(statistic(r) for r in inner_st.rounds), update, finish,
+        inputs=[_Weight(p, lo, lo is not None and on_host(lo)) for p, lo in
+                zip(jax.tree.structure(updates).flatten_up_to(params), lows)])
+
+  def whole_tree(updates, state, params, **extra_args):
+    # merge, inner.update on the whole tree, split.
+    all_lows = checked(updates, state, params)
+    treedef = jax.tree.structure(updates)
+    lows = treedef.flatten_up_to(
+        jax.tree.structure(updates, is_leaf=is_none).unflatten(all_lows))
+    ps = treedef.flatten_up_to(params)
+    x32 = [_exact(p, lo, rounding) for p, lo in zip(ps, lows)]
+    u, inner_state = inner.update(upcast(updates), state.inner_state,
+                                  treedef.unflatten(x32), **extra_args)
+    deltas, new_lows = [], []
+    for p, lo, x, u in zip(ps, lows, x32, treedef.flatten_up_to(u)):
+      hi, new_lo = _add(p, lo, x, u, rounding)
+      deltas.append(u if lo is None else landing_delta(p, hi))
+      new_lows.append(new_lo)
     return (treedef.unflatten(deltas),
-            KahanState(treedef.unflatten(_back_where_from(lows, new_lows)),
+            KahanState(new_residuals(updates, state, all_lows, new_lows),
                        inner_state))
 
-  def decode(g, p_lo):
-    # One leaf's float32 gradient and exact float32 weight, inside its row.
-    return _upcast(g), exact(*p_lo)
-
-  def leafwise_update(grads, state, params, extra_args):
-    # Each leaf's merge, inner update and split run as one row of
-    # for_each_leaf: the delta is a free output (XLA fuses it into
-    # optax.apply_updates), the new residual and inner state are chained
-    # (the next leaf waits for them). A host residual comes in one leaf
-    # ahead and goes back right after its row.
-    flat, treedef = jax.tree.flatten(params)
-    lows = treedef.flatten_up_to(state.residuals)
-    grads = treedef.flatten_up_to(grads)
-    p_lo = list(zip(flat, lows))
-    plan = inner.prepare(grads, state.inner_state, p_lo, decode, treedef,
-                         **extra_args)
-
-    def leaf(g, s, p_lo):
-      g, x = decode(g, p_lo)
-      u, s = plan.leaf_update(g, s, x)
-      if p_lo[1] is None:
-        return u, (None, s)
-      hi, new_lo = bits.split_float32(x + u.astype(jnp.float32), rounding)
-      return landing_delta(p_lo[0], hi), (new_lo, s)
-
-    outs = for_each_leaf(leaf, grads, plan.leaf_states, p_lo)
-    deltas = [delta for delta, _ in outs]
-    new_lows = _back_where_from(lows, [new_lo for _, (new_lo, _) in outs])
-    return (jax.tree.unflatten(treedef, deltas),
-            KahanState(jax.tree.unflatten(treedef, new_lows),
-                       plan.finish([s for _, (_, s) in outs])))
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return per_leaf.transformation(init_fn, stages, ordered=True,
+                                 whole_tree=whole_tree)
 
 
 def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
@@ -557,13 +502,13 @@ def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
   and this warns while the step is traced, naming the leaf and the fix.
   ``lows`` are the residuals one per params leaf (from ``_check_residuals``).
   """
-  misplaced = [path for (path, _), lo in zip(_leaves_with_paths(params), lows)
+  misplaced = [path for path, lo in zip(paths(params), lows)
                if lo is not None and not isinstance(lo, optax.MaskedNode)
                and on_host(lo) != offload]
   if misplaced:
     where, want = (("device", "host (pinned_host)") if offload
                    else ("host", "device"))
-    warnings.warn(
+    validation.warn(
         f"kahan(offload={offload}): {len(misplaced)} residuals (the first of "
         f"leaf {misplaced[0]}) are in {where} memory and stay there; kahan "
         f"keeps them in {want} memory. Restore checkpoints with targets that "
@@ -591,7 +536,7 @@ def _commit_with(state: Any, params: Any) -> Any:
   if not arrays:
     return state
   if not all(x.committed for x in arrays):
-    warnings.warn(
+    validation.warn(
         "kahan(offload=True): the params are not committed to a device, so "
         "the first jitted step will compile twice (its outputs are "
         "committed). Commit them once, before init: params = "
@@ -607,26 +552,6 @@ def _commit_with(state: Any, params: Any) -> Any:
   return jax.tree.map(
       lambda x: x if not isinstance(x, jax.Array) or x.committed
       else jax.device_put(x, target), state)
-
-
-def _upcast(tree: Any) -> Any:
-  """Float leaves to at least float32 (exact); float64 stays float64."""
-  return jax.tree.map(
-      lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
-      if x is not None and jnp.issubdtype(x.dtype, jnp.floating) else x,
-      tree, is_leaf=lambda x: x is None)
-
-
-def landing_delta(p: jax.Array, new: jax.Array) -> jax.Array:
-  """The float32 update that ``optax.apply_updates`` turns ``p`` into ``new``.
-
-  ``float32(new) - float32(p)``: the difference of two bf16 numbers, exact in
-  float32 unless their magnitudes differ by more than about ``2**15``; zero
-  where the weight does not move, so that a weight at +-Inf stays there
-  instead of becoming ``Inf - Inf = NaN``.
-  """
-  return jnp.where(new == p, 0.0,
-                   new.astype(jnp.float32) - p.astype(jnp.float32))
 
 
 def kahan_residuals(opt_state: optax.OptState) -> Residuals:

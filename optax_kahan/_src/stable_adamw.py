@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan import validation
-from optax_kahan.second_moment import ScaleBySecondMomentState
-from optax_kahan.second_moment import scale_by_second_moment
+from optax_kahan._src import per_leaf
+from optax_kahan._src import validation
+from optax_kahan._src.second_moment import ScaleBySecondMomentState
+from optax_kahan._src.second_moment import scale_by_second_moment
 
 
 class ScaleByStableAdamWState(NamedTuple):
@@ -94,4 +95,4 @@ def scale_by_stable_adamw(
     out = jax.tree.map(clip, updates, direction, moments.nu, params)
     return out, ScaleByStableAdamWState(moments)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return per_leaf.leaf_by_leaf(optax.GradientTransformation(init_fn, update_fn))

@@ -39,14 +39,15 @@ Which transformations: ``tx`` is applied to each group of weights on its own
 (the embedding, each block, the head), with its own state: for a
 transformation that acts leaf by leaf (``optax.adamw``, ``optax.adafactor``,
 ``optax.clip_by_block_rms``, ``kahan`` of them, ...) that is exactly the
-ordinary step on the blocks' weights as separate leaves. A transformation
-that couples all leaves through a sum must say how to split that sum:
-Prodigy's ``d`` does, with ``lagged_d=True`` (each block's step uses the ``d``
-known at the start of the step; the sums ``<g, x0 - x>`` and ``|s|`` are
-summed over all groups at the end and folded into ``d`` at the next step, a
-one-step lag as in fused-backward Prodigy variants). Other coupled ones
-(``optax.clip_by_global_norm``, ``optax.apply_if_finite`` over the whole
-tree) would act per group and give other results: do not use them here.
+ordinary step on the blocks' weights as separate leaves. The step checks
+that with ``tx``'s per-leaf form (``optax_kahan.per_leaf``) and refuses a
+``tx`` without one. A transformation that sums a statistic over all leaves
+before its update (a global norm, Prodigy's ``d``) is refused too, unless it
+reduces late: Prodigy with ``lagged_d=True`` takes each block's step with the
+``d`` known at the start of the step and keeps the sums ``<g, x0 - x>`` and
+``|s|`` of its leaves in a ``LateSums``; the step adds the groups' sums up at
+its end, and they are folded into ``d`` at the next step (a one-step lag, as
+in fused-backward Prodigy variants).
 
 References:
   sd-scripts (kohya-ss) ``--fused_backward_pass`` and PR #2159;
@@ -64,7 +65,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_kahan.prodigy import ScaleByProdigyState
+from optax_kahan._src import per_leaf
 
 Carry = Any
 Consts = Any
@@ -233,46 +234,51 @@ def _add_cotangents(a: Any, b: Any) -> Any:
       lambda x, y: x if x.dtype == jax.dtypes.float0 else x + y, a, b)
 
 
-def _is_prodigy(x: Any) -> bool:
-  return isinstance(x, ScaleByProdigyState)
+def _is_late(x: Any) -> bool:
+  return isinstance(x, per_leaf.LateSums)
 
 
-def _prodigy_states(tree: Any) -> list[ScaleByProdigyState]:
-  return [x for x in jax.tree.leaves(tree, is_leaf=_is_prodigy)
-          if _is_prodigy(x)]
-
-
-def _check_prodigy(state: BlockwiseState) -> None:
-  if any(s.pending is None for s in _prodigy_states(state)):
+def _check_per_group(tx: optax.GradientTransformation, grads: Any,
+                     state: Any, params: Any) -> None:
+  """Refuses ``tx`` unless it acts leaf by leaf but for late sums."""
+  st, reason = per_leaf.stages_of(tx, grads, state, params)
+  if st is None:
+    raise ValueError(
+        f"blockwise_step applies tx to each block on its own, and tx has no "
+        f"per-leaf form ({reason}), so that is not provably the same "
+        "optimizer; use transformations that act leaf by leaf")
+  if st.rounds:
     raise ValueError(
         "blockwise_step updates each block before the other blocks' "
-        "gradients exist, but Prodigy's d sums over all of them: build it "
-        "with lagged_d=True (prodigy(..., lagged_d=True), "
-        "scale_by_prodigy(..., lagged_d=True)), which takes each step with "
-        "the d known at its start")
+        "gradients exist, but tx sums a statistic over all leaves before its "
+        "update (Prodigy's d, a global norm): build it to reduce late, e.g. "
+        "prodigy(..., lagged_d=True), which takes each step with the d known "
+        "at its start")
 
 
-def _sum_prodigy_statistics(state: BlockwiseState) -> BlockwiseState:
-  """Gives each Prodigy state the sums over all groups of this step.
+def _sum_late(state: BlockwiseState) -> BlockwiseState:
+  """Gives every ``LateSums`` of the state the sums over all groups.
 
-  Each group's update left the sums over its own leaves in ``pending``; the
-  next step folds ``pending`` into ``d``, so every copy gets the total (the
-  blocks' copies one per block).
+  Each group's update left the sums over its own leaves in its
+  ``LateSums``; the next step folds them in, so every copy gets the total
+  (the blocks' copies one per block).
   """
   groups = [state.embed, *state.stacks, state.head]
-  per_group = [_prodigy_states(g) for g in groups]
+  found = [[x for x in jax.tree.leaves(g, is_leaf=_is_late) if _is_late(x)]
+           for g in groups]
   totals = []
-  for j in range(len(per_group[0])):
-    parts = [per_group[0][j].pending, per_group[-1][j].pending]
-    parts += [jnp.sum(g[j].pending, axis=0) for g in per_group[1:-1]]
-    totals.append(sum(parts[1:], parts[0]))
+  for j in range(len(found[0])):
+    parts = [found[0][j].sums, found[-1][j].sums]
+    parts += [jax.tree.map(lambda x: jnp.sum(x, axis=0), g[j].sums)
+              for g in found[1:-1]]
+    totals.append(jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts))
 
   def with_totals(tree):
     it = iter(totals)
     return jax.tree.map(
-        lambda x: x._replace(pending=jnp.broadcast_to(
-            next(it), x.pending.shape)) if _is_prodigy(x) else x,
-        tree, is_leaf=_is_prodigy)
+        lambda x: per_leaf.LateSums(jax.tree.map(
+            lambda t, s: jnp.broadcast_to(t, s.shape), next(it), x.sums))
+        if _is_late(x) else x, tree, is_leaf=_is_late)
 
   return BlockwiseState(
       embed=with_totals(state.embed),
@@ -353,7 +359,8 @@ def blockwise_step(
 
   Raises:
     TypeError, ValueError: for params or state of the wrong structure, or a
-      Prodigy estimator without ``lagged_d``.
+      ``tx`` that is not provably the same optimizer per block (no per-leaf
+      form, or a sum over all leaves before the update).
 
   Example:
     >>> import optax
@@ -379,7 +386,6 @@ def blockwise_step(
   if len(state.stacks) != len(params.stacks):
     raise ValueError(f"state has {len(state.stacks)} stacks, params "
                      f"{len(params.stacks)}")
-  _check_prodigy(state)
 
   (carry, consts), embed_vjp = jax.vjp(lambda p: model.embed(p, batch),
                                        params.embed)
@@ -391,6 +397,7 @@ def blockwise_step(
   loss, head_vjp = jax.vjp(lambda p, c, k: model.head(p, c, k, batch),
                            params.head, carry, consts)
   grads, ct, ct_consts = head_vjp(jnp.ones_like(loss))
+  _check_per_group(tx, grads, state.head, params.head)
   head, head_state = _update(tx, grads, state.head, params.head)
 
   stacks = list(params.stacks)
@@ -403,7 +410,6 @@ def blockwise_step(
   grads, = embed_vjp((ct, ct_consts))
   embed, embed_state = _update(tx, grads, state.embed, params.embed)
 
-  new_state = BlockwiseState(embed_state, tuple(stack_states), head_state)
-  if _prodigy_states(new_state):
-    new_state = _sum_prodigy_statistics(new_state)
+  new_state = _sum_late(
+      BlockwiseState(embed_state, tuple(stack_states), head_state))
   return loss, BlockwiseParams(embed, tuple(stacks), head), new_state

@@ -27,8 +27,11 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_kahan import validation
-from optax_kahan.kahan import _map, _upcast, landing_delta, needs_residual
+from optax_kahan._src import validation
+from optax_kahan._src.leaves import landing_delta
+from optax_kahan._src.leaves import map_leaves
+from optax_kahan._src.leaves import needs_residual
+from optax_kahan._src.leaves import upcast
 
 
 def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
@@ -84,7 +87,7 @@ def stochastic_round_apply_updates(
       return (p + u).astype(p.dtype)
     return stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), k)
 
-  return _map(apply_leaf, params, updates, _leaf_keys(key, params))
+  return map_leaves(apply_leaf, params, updates, _leaf_keys(key, params))
 
 
 class StochasticRoundingState(NamedTuple):
@@ -120,15 +123,15 @@ def stochastic_rounding(
   def init_fn(params):
     if validation.is_abstract(params):
       return jax.eval_shape(init_fn, params)
-    _map(lambda path, p: needs_residual(p, path), params)
+    map_leaves(lambda path, p: needs_residual(p, path), params)
     return StochasticRoundingState(
-        jnp.zeros([], jnp.int32), inner.init(_upcast(params)))
+        jnp.zeros([], jnp.int32), inner.init(upcast(params)))
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError("stochastic_rounding(...).update needs params")
-    x32 = _upcast(params)
-    g32 = _upcast(updates)
+    x32 = upcast(params)
+    g32 = upcast(updates)
     u, inner_state = inner.update(g32, state.inner_state, x32, **extra_args)
     keys = _leaf_keys(jax.random.fold_in(key, state.count), params)
 
@@ -140,7 +143,7 @@ def stochastic_rounding(
       hi = stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), k)
       return landing_delta(p, hi)
 
-    deltas = _map(step_leaf, params, u, keys)
+    deltas = map_leaves(step_leaf, params, u, keys)
     count = optax.safe_increment(state.count)
     return deltas, StochasticRoundingState(count, inner_state)
 

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan import validation
+from optax_kahan._src import per_leaf
+from optax_kahan._src import validation
 
 
 class ScaleBySecondMomentState(NamedTuple):
@@ -161,4 +162,5 @@ def scale_by_second_moment(
     out = jax.tree.map(precondition, updates, num, nu)
     return out, ScaleBySecondMomentState(count, mu, nu)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return per_leaf.leaf_by_leaf(
+      optax.GradientTransformationExtraArgs(init_fn, update_fn))

@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 import optax
 from flax.training import train_state
 
-from optax_kahan.bits import Rounding
-from optax_kahan.kahan import kahan_from_float32
+from optax_kahan._src.bits import Rounding
+from optax_kahan._src.kahan import kahan_from_float32
 
 
 def kahan_train_state(

@@ -10,20 +10,22 @@
 All of them work inside ``kahan(...)``, where the state is float32 (the inner
 transformation sees float32 params), so the figures double while the bf16
 weights stay exact; the Prodigy aliases' ``state_dtype=jnp.bfloat16`` keeps
-them at the bf16 figures there.
+them at the bf16 figures there. Each is a chain that keeps the per-leaf form
+(``optax_kahan.per_leaf``), so ``kahan`` and ``leafwise`` run it leaf by leaf.
 """
 
-from typing import Optional
+import inspect
+from typing import Any, Optional
 
 import jax.numpy as jnp
 import optax
 
-from optax_kahan import leafwise as leafwise_lib
-from optax_kahan.factored_second_moment import scale_by_factored_second_moment
-from optax_kahan.prodigy import scale_by_prodigy
-from optax_kahan import validation
-from optax_kahan.second_moment import scale_by_second_moment
-from optax_kahan.stable_adamw import scale_by_stable_adamw
+from optax_kahan._src import per_leaf
+from optax_kahan._src.factored_second_moment import scale_by_factored_second_moment
+from optax_kahan._src.prodigy import scale_by_prodigy
+from optax_kahan._src import validation
+from optax_kahan._src.second_moment import scale_by_second_moment
+from optax_kahan._src.stable_adamw import scale_by_stable_adamw
 
 
 def prodigy(
@@ -43,7 +45,6 @@ def prodigy(
     factored: bool = False,
     update_clip: Optional[float] = None,
     eps2: float = 1e-30,
-    leafwise: bool = False,
     lagged_d: bool = False,
     state_dtype: Optional[jnp.dtype] = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -80,9 +81,6 @@ def prodigy(
     update_clip: clip each leaf's preconditioned update to this RMS
       (``optax.clip_by_block_rms``), or None.
     eps2: added to ``g^2`` in the factored moment.
-    leafwise: run the step one leaf at a time (``optax_kahan.leafwise``), so
-      its scratch memory is bounded by the largest leaf instead of growing
-      with the model; same results bit for bit, state laid out per leaf.
     lagged_d: take each step with the ``d`` known when it starts and fold
       its statistics in at the start of the next one (see
       ``scale_by_prodigy``): what ``optax_kahan.blockwise`` needs, where the
@@ -92,8 +90,7 @@ def prodigy(
       ``kahan``, float32). The factored row and column statistics stay.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` (a
-    ``LeafwiseTransformation`` with ``leafwise=True``).
+    An ``optax.GradientTransformationExtraArgs`` with a per-leaf form.
 
   Raises:
     ValueError: for d0 <= 0, learning_rate < 0, betas outside [0, 1),
@@ -125,11 +122,6 @@ def prodigy(
   validation.warn_low_precision_hyperparams(
       "prodigy", learning_rate=learning_rate, b1=b1, b2=b2, b3=b3, eps=eps,
       weight_decay=weight_decay, d0=d0, d_coef=d_coef)
-  if leafwise and not decouple:
-    raise ValueError(
-        "prodigy(leafwise=True) needs decouple=True: the coupled (L2) weight "
-        "decay is an optax.add_decayed_weights chained before the estimator, "
-        "which would run on the whole tree")
   if b3 is None:
     b3 = b2**0.5
   if factored:
@@ -139,10 +131,8 @@ def prodigy(
     preconditioner = scale_by_second_moment(b1, b2, eps,
                                             state_dtype=state_dtype)
   if update_clip is not None:
-    preconditioner = optax.chain(preconditioner,
-                                 optax.clip_by_block_rms(update_clip))
-  if leafwise:
-    preconditioner = leafwise_lib.leafwise(preconditioner)
+    preconditioner = per_leaf.chain(preconditioner,
+                                    optax.clip_by_block_rms(update_clip))
   estimator = scale_by_prodigy(
       preconditioner,
       learning_rate=learning_rate,
@@ -158,34 +148,23 @@ def prodigy(
       state_dtype=state_dtype)
   if decouple:
     return estimator
-  return optax.chain(optax.add_decayed_weights(weight_decay), estimator)
+  return per_leaf.chain(optax.add_decayed_weights(weight_decay), estimator)
 
 
-def prodigy_factored(
-    learning_rate: optax.ScalarOrSchedule = 1.0,
-    b1: float = 0.0,
-    b2: float = 0.999,
-    b3: Optional[float] = None,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    decouple: bool = True,
-    use_bias_correction: bool = False,
-    safeguard_warmup: bool = False,
-    d0: float = 1e-6,
-    d_coef: float = 1.0,
-    growth_rate: float = float("inf"),
-    slice_p: int = 11,
-    update_clip: Optional[float] = 1.0,
-    eps2: float = 1e-30,
-    leafwise: bool = False,
-    lagged_d: bool = False,
-    state_dtype: Optional[jnp.dtype] = None,
-) -> optax.GradientTransformationExtraArgs:
+# prodigy_factored's defaults where they differ from prodigy's.
+_FACTORED = {"b1": 0.0, "slice_p": 11, "update_clip": 1.0}
+
+
+def prodigy_factored(*args: Any, **kwargs: Any
+                     ) -> optax.GradientTransformationExtraArgs:
   """Prodigy at about 0.36 B/param of state: b1 = 0, factored v, slice_p = 11, clip 1.
 
-  The low-memory configuration of the prodigyopt PRs #20 and #22 (about 95%
-  less state than ``prodigy()``): no first moment, Adafactor's row/column
-  second moment, the d statistics on every 11th entry, and each leaf's update
+  ``prodigy(factored=True)`` with other defaults: ``b1=0``, ``slice_p=11``,
+  ``update_clip=1``; its signature is ``prodigy``'s, with those defaults
+  (so ``optax.inject_hyperparams`` and ``help`` see every argument). The
+  low-memory configuration of the prodigyopt PRs #20 and #22 (about 95% less
+  state than ``prodigy()``): no first moment, Adafactor's row/column second
+  moment, the d statistics on every 11th entry, and each leaf's update
   clipped to RMS 1 (Adafactor's clip, which tames the spikes of a factored
   ``v``).
 
@@ -195,33 +174,15 @@ def prodigy_factored(
   ``d0`` (the run stalls without an error).
 
   Args:
-    learning_rate: multiplier of Prodigy's ``d`` (keep 1.0), float or schedule.
-    b1: first-moment decay; 0 (the default) keeps no first-moment buffer.
-    b2: decay of the factored second moment.
-    b3: decay of the d statistics; None means ``sqrt(b2)``.
-    eps: added to ``sqrt(v^)``, scaled by ``d``.
-    weight_decay: weight decay ``lambda``.
-    decouple: AdamW-style decoupled decay (True) or L2 added to the gradient.
-    use_bias_correction: fold Adam's bias correction into the step size.
-    safeguard_warmup: leave the learning rate out of ``s`` (for warm-up).
-    d0: initial ``d``.
-    d_coef: multiplier of the estimate ``d^``.
-    growth_rate: largest per-step growth of ``d`` (inf: unbounded).
-    slice_p: estimate ``d`` on every ``slice_p``-th entry of each leaf (11:
-      1/11 of the entries, as prodigyopt PR #22 suggests).
-    update_clip: clip each leaf's preconditioned update to this RMS
-      (Adafactor's clip), or None.
-    eps2: added to ``g^2`` in the factored moment (never scaled by ``d^2``).
-    leafwise: run the step one leaf at a time (``optax_kahan.leafwise``).
-    lagged_d: use ``d`` one step late (``optax_kahan.blockwise``); see
-      ``prodigy``.
-    state_dtype: dtype of ``s`` and ``x0`` (and of ``v`` for 1-D leaves);
-      ``jnp.bfloat16`` halves the state inside ``kahan``: about 0.37 B/param
-      instead of 0.73.
+    *args: ``prodigy``'s arguments, in its order (see there).
+    **kwargs: ``prodigy``'s arguments by name. The defaults that differ: ``b1=0.0`` (no first-moment buffer),
+      ``slice_p=11`` (the d statistics on 1/11 of the entries, as
+      prodigyopt PR #22 suggests), ``update_clip=1.0`` (Adafactor's clip).
+      ``state_dtype=jnp.bfloat16`` halves the state inside ``kahan``: about
+      0.37 B/param instead of 0.73.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` (a
-    ``LeafwiseTransformation`` with ``leafwise=True``).
+    An ``optax.GradientTransformationExtraArgs`` with a per-leaf form.
 
   Example:
     >>> import jax.numpy as jnp
@@ -236,14 +197,15 @@ def prodigy_factored(
   References:
     Shazeer & Stern, 2018 (Adafactor); Mishchenko & Defazio, 2024 (Prodigy).
   """
-  return prodigy(
-      learning_rate=learning_rate, b1=b1, b2=b2, b3=b3, eps=eps,
-      weight_decay=weight_decay, decouple=decouple,
-      use_bias_correction=use_bias_correction,
-      safeguard_warmup=safeguard_warmup, d0=d0, d_coef=d_coef,
-      growth_rate=growth_rate, slice_p=slice_p, factored=True,
-      update_clip=update_clip, eps2=eps2, leafwise=leafwise,
-      lagged_d=lagged_d, state_dtype=state_dtype)
+  bound = prodigy_factored.__signature__.bind(*args, **kwargs)
+  bound.apply_defaults()
+  return prodigy(**bound.arguments, factored=True)
+
+
+prodigy_factored.__signature__ = inspect.signature(prodigy).replace(
+    parameters=[p.replace(default=_FACTORED.get(p.name, p.default))
+                for p in inspect.signature(prodigy).parameters.values()
+                if p.name != "factored"])
 
 
 def stable_adamw(
@@ -252,8 +214,7 @@ def stable_adamw(
     b2: float = 0.99,
     eps: float = 1e-6,
     weight_decay: float = 1e-2,
-    leafwise: bool = False,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """StableAdamW: AdamW whose per-leaf step shrinks by ``1/max(1, RMS(g/sqrt(v)))``.
 
   .. math::
@@ -269,12 +230,9 @@ def stable_adamw(
     b2: second-moment decay.
     eps: added to ``sqrt(v^)``.
     weight_decay: decoupled weight decay, clipped with the step.
-    leafwise: run the step one leaf at a time (``optax_kahan.leafwise``):
-      scratch bounded by the largest leaf, same results bit for bit.
 
   Returns:
-    An ``optax.GradientTransformation`` (a ``LeafwiseTransformation`` with
-    ``leafwise=True``).
+    An ``optax.GradientTransformationExtraArgs`` with a per-leaf form.
 
   Example:
     >>> import optax_kahan as ok
@@ -289,7 +247,5 @@ def stable_adamw(
   validation.warn_low_precision_hyperparams(
       "stable_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay)
-  tx = optax.chain(
-      scale_by_stable_adamw(b1, b2, eps, weight_decay),
-      optax.scale_by_learning_rate(learning_rate))
-  return leafwise_lib.leafwise(tx) if leafwise else tx
+  return per_leaf.chain(scale_by_stable_adamw(b1, b2, eps, weight_decay),
+                        optax.scale_by_learning_rate(learning_rate))

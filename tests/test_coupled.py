@@ -1,0 +1,84 @@
+"""clip_by_global_norm and apply_if_finite: optax's results, with a per-leaf form."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_kahan as ok
+
+PARAMS = {"a": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
+          "b": jnp.linspace(0.0, 2.0, 5)}
+
+
+def _grads(i, scale):
+  return jax.tree.map(lambda p: jnp.cos(p * (i + 1)) * scale, PARAMS)
+
+
+@pytest.mark.parametrize("leafwise", [False, True])
+@pytest.mark.parametrize("scale", [1e-3, 10.0], ids=["unclipped", "clipped"])
+def test_clip_by_global_norm_is_optax(scale, leafwise):
+  ours = ok.clip_by_global_norm(1.0)
+  if leafwise:
+    ours = ok.leafwise(ours)
+  ref = optax.clip_by_global_norm(1.0)
+  for i in range(3):
+    g = _grads(i, scale)
+    got, state = jax.jit(ours.update)(g, ours.init(PARAMS))
+    want, _ = ref.update(g, ref.init(PARAMS))
+    assert isinstance(state, optax.EmptyState)
+    for k in g:
+      np.testing.assert_allclose(got[k], want[k], rtol=2e-7, atol=0)
+  if scale > 1:
+    assert float(optax.tree.norm(got)) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_apply_if_finite_is_optax_through_nan_bursts():
+  # adam on each leaf alone (its per-leaf form) rounds its bias correction
+  # within an ulp of the whole-tree program's (see per_leaf).
+  inner = lambda: optax.adam(1e-2)
+  ours, ref = ok.apply_if_finite(inner(), 2), optax.apply_if_finite(inner(), 2)
+  s_ours, s_ref = ours.init(PARAMS), ref.init(PARAMS)
+  assert jax.tree.structure(s_ours) == jax.tree.structure(s_ref)
+  nan = jnp.float32(jnp.nan)
+  # finite, three non-finite steps in a row (the third is applied), finite
+  for i, bad in enumerate([False, True, True, True, False]):
+    g = _grads(i, 1.0)
+    if bad:
+      g = {"a": g["a"].at[1, 2].set(nan), "b": g["b"]}
+    u_ours, s_ours = jax.jit(ours.update)(g, s_ours, PARAMS)
+    u_ref, s_ref = ref.update(g, s_ref, PARAMS)
+    for a, b in zip(jax.tree.leaves((u_ours, s_ours)),
+                    jax.tree.leaves((u_ref, s_ref))):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                                 atol=0, err_msg=str(i))
+  assert int(s_ours.total_notfinite) == 3
+
+
+def test_kahan_of_the_chain_keeps_its_per_leaf_form_and_skips_nan_steps():
+  params = jax.device_put(jax.tree.map(lambda p: p.astype(jnp.bfloat16),
+                                       PARAMS), jax.devices()[0])
+  tx = ok.kahan(ok.apply_if_finite(
+      ok.chain(ok.clip_by_global_norm(1.0), optax.adamw(1e-2)), 3))
+  st, reason = ok.stages_of(tx, params, tx.init(params), params)
+  assert st is not None, reason
+  assert len(st.rounds) == 2  # the finiteness test, then the norm
+  state = tx.init(params)
+  g = jax.tree.map(lambda p: jnp.full(p.shape, jnp.nan, p.dtype), params)
+  u, new = jax.jit(tx.update)(g, state, params)
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(u))
+  for a, b in zip(jax.tree.leaves(ok.kahan_residuals(new)),
+                  jax.tree.leaves(ok.kahan_residuals(state))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_chain_state_is_optax_chains():
+  tx = ok.chain(ok.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  assert (jax.tree.structure(tx.init(PARAMS))
+          == jax.tree.structure(ref.init(PARAMS)))
+  u, _ = tx.update(PARAMS, tx.init(PARAMS), PARAMS)
+  v, _ = ref.update(PARAMS, ref.init(PARAMS), PARAMS)
+  for k in u:
+    np.testing.assert_allclose(u[k], v[k], rtol=1e-5)
