@@ -30,24 +30,21 @@ conditioning vector and rotary tables). The step:
    ``i - 1`` and ``ct_k`` is summed into the cotangent of ``consts``.
 4. The embedding's gradient from ``(ct, ct_consts)``, and its update.
 
-The gradients of one block are alive at a time, and the optimizer's scratch
-is one block's. With ``kahan(...)`` the residuals of a stack are one host
-array per leaf: a block's slice is brought to the device for its update and
-sent back after it, inside the loop.
+One block's gradients are alive at a time, and the optimizer's scratch is
+one block's. With ``kahan(...)`` a stack's residuals are one host array per
+leaf; a block's slice comes to the device for its update and goes back after.
 
-Which transformations: ``tx`` is applied to each group of weights on its own
-(the embedding, each block, the head), with its own state: for a
-transformation that acts leaf by leaf (``optax.adamw``, ``optax.adafactor``,
-``optax.clip_by_block_rms``, ``kahan`` of them, ...) that is exactly the
-ordinary step on the blocks' weights as separate leaves. The step checks
-that with ``tx``'s per-leaf form (``optax_kahan.per_leaf``) and refuses a
-``tx`` without one. A transformation that sums a statistic over all leaves
-before its update (a global norm, Prodigy's ``d``) is refused too, unless it
-reduces late: Prodigy with ``lagged_d=True`` takes each block's step with the
-``d`` known at the start of the step and keeps the sums ``<g, x0 - x>`` and
-``|s|`` of its leaves in a ``LateSums``; the step adds the groups' sums up at
-its end, and they are folded into ``d`` at the next step (a one-step lag, as
-in fused-backward Prodigy variants).
+Which transformations: ``tx`` is applied to each group of weights (the
+embedding, each block, the head) with its own state. For one that acts leaf
+by leaf (``optax.adamw``, ``optax.adafactor``, ``kahan`` of them, ...) that
+is the ordinary step on the blocks' weights as separate leaves; the step
+checks it with ``tx``'s per-leaf form (``optax_kahan.per_leaf``) and refuses
+a ``tx`` without one, or one that sums a statistic over all leaves before
+its update (a global norm, Prodigy's ``d``) unless it reduces late: Prodigy
+with ``lagged_d=True`` steps each block with the ``d`` known at the start of
+the step and keeps its leaves' sums in a ``LateSums``; the step adds the
+groups' sums up, and they are folded into ``d`` at the next step (a one-step
+lag, as in fused-backward Prodigy variants).
 
 References:
   sd-scripts (kohya-ss) ``--fused_backward_pass`` and PR #2159;
@@ -66,6 +63,7 @@ import optax
 from jax import lax
 
 from optax_kahan._src import per_leaf
+from optax_kahan._src import validation
 
 Carry = Any
 Consts = Any
@@ -144,11 +142,9 @@ def nnx_blockwise(embed: nnx.Module, stacks: Sequence[nnx.Module],
   ``embed(batch) -> (carry, consts)``, each stacked module's block
   ``block(carry, consts) -> carry`` and ``head(carry, consts, batch) -> loss``
   are the modules' ``__call__``. A stack is one module whose ``nnx.Param``
-  leaves have a leading block axis, as ``nnx.vmap`` over a block's
-  constructor builds it (the layout ``nnx.scan`` runs): the graphdef of the
-  stacked module merged with one block's slice of its params is that block.
-  Write the trained params back with ``nnx.update(module, params.embed)``
-  and so on.
+  leaves have a leading block axis (``nnx.vmap`` over a block's constructor,
+  the layout ``nnx.scan`` runs). Write the trained params back with
+  ``nnx.update(module, params.embed)`` and so on.
 
   Args:
     embed: the embedding module.
@@ -264,8 +260,7 @@ def _sum_late(state: BlockwiseState) -> BlockwiseState:
   (the blocks' copies one per block).
   """
   groups = [state.embed, *state.stacks, state.head]
-  found = [[x for x in jax.tree.leaves(g, is_leaf=_is_late) if _is_late(x)]
-           for g in groups]
+  found = [validation.find(g, per_leaf.LateSums) for g in groups]
   totals = []
   for j in range(len(found[0])):
     parts = [found[0][j].sums, found[-1][j].sums]
@@ -333,18 +328,15 @@ def blockwise_step(
     u, s      = tx.update(g, s, theta)
     theta     = optax.apply_updates(theta, u)
 
-  as the module docstring describes: the head's update right after the
-  forward pass, each block's inside the reverse loop as soon as its
-  gradient exists, the embedding's last. For a leaf-by-leaf ``tx`` the
-  results are those of the ordinary step (``jax.value_and_grad`` of
-  ``blockwise_loss``, then ``tx.update``) on the blocks' weights as separate
-  leaves, bit for bit. Prodigy needs ``lagged_d=True``.
+  as the module docstring describes: the head's update after the forward
+  pass, each block's inside the reverse loop, the embedding's last. For a
+  leaf-by-leaf ``tx`` that is the arithmetic of the ordinary step
+  (``jax.value_and_grad`` of ``blockwise_loss``, then ``tx.update``) on the
+  blocks' weights as separate leaves. Prodigy needs ``lagged_d=True``.
 
-  Jit it with the params and state donated, so the stacks are updated in
-  place: ``jax.jit(step, donate_argnums=(0, 1))`` for
-  ``step = lambda p, s, b: blockwise_step(model, tx, p, s, b)``. The memory
-  claims are the GPU program's (``benchmarks/blockwise.py``): XLA:CPU copies
-  the stacks the loop carries, so on a CPU the step saves less.
+  Jit it with the params and state donated (``donate_argnums=(0, 1)``), so
+  the stacks are updated in place. The memory claims are the GPU program's
+  (``benchmarks/blockwise.py``): XLA:CPU copies the stacks the loop carries.
 
   Args:
     model: the model's functions.

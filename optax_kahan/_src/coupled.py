@@ -1,16 +1,13 @@
-"""optax's transformations that couple the leaves by one sum, given the
-per-leaf contract.
+"""optax's transformations that couple the leaves by one sum, with the contract.
 
-``optax.clip_by_global_norm`` reads every leaf's gradient for one norm and
-``optax.apply_if_finite`` every leaf's for one finiteness test: their updates
-are not per leaf, so ``kahan`` runs them (and any chain holding them) on the
-whole tree, staging every residual at once on a GPU. The versions here have
-the same state and results, written as ``optax_kahan.per_leaf`` stages::
+``optax.clip_by_global_norm`` and ``optax.apply_if_finite`` read every leaf's
+gradient for one norm or one finiteness test, so ``kahan`` runs them (and
+any chain holding them) on the whole tree, staging every residual at once on
+a GPU. These have optax's state and results, as ``optax_kahan.per_leaf``
+stages, so a ``chain`` of them keeps its per-leaf form::
 
   clip_by_global_norm:  sum_i ||g_i||^2  ->  norm  ->  g_i * min(1, c / norm)
   apply_if_finite:      sum_i #nonfinite(g_i)  ->  finite  ->  inner or zero
-
-so a chain of them (``optax_kahan.chain``) keeps its per-leaf form.
 
 References:
   optax, ``clip_by_global_norm`` and ``apply_if_finite``.
@@ -79,12 +76,11 @@ def apply_if_finite(inner: optax.GradientTransformation,
   """``optax.apply_if_finite`` with a per-leaf form.
 
   A step whose gradients hold a NaN or an Inf changes nothing (zero updates,
-  ``inner``'s state kept), unless it is the ``max_consecutive_errors + 1``-th
-  such step in a row, which is applied. The finiteness test is one round:
-  each leaf's count of non-finite entries, summed. The inner update is
-  computed in every step and selected (``jnp.where``), where optax skips it
-  with a ``lax.cond`` over the whole tree. The state is optax's
-  ``ApplyIfFiniteState``, so checkpoints of the two mix.
+  ``inner``'s state kept) unless it is the ``max_consecutive_errors + 1``-th
+  in a row. The finiteness test is one round (each leaf's count of
+  non-finite entries, summed); the inner update is computed and selected
+  (``jnp.where``) where optax has a ``lax.cond`` over the whole tree. The
+  state is optax's ``ApplyIfFiniteState``.
 
   Args:
     inner: the transformation to protect; it needs a per-leaf form for this

@@ -8,20 +8,17 @@ holds when every output of leaf ``i`` (its update and its entries of the new
 state) reads at most leaf ``i``, and every shared entry of the new state (a
 step count) reads no leaf.
 
-The labels are propagated soundly, never guessed:
-
-* an equation without inner jaxprs: each output reads all of its inputs;
-* calls whose body takes the equation's inputs in order (``jit``,
-  ``closed_call``, ``remat``, and ``custom_jvp_call`` / ``custom_vjp_call``,
-  whose forward value is their body's): followed into the body;
-* ``cond``: every output reads the predicate and its value in every branch;
-* ``scan`` and ``while``: the carry's labels are iterated to a fixed point
-  (a leaf that reaches the carry in the second iteration is seen), and a
-  ``while`` loop's outputs read its condition;
-* anything else with an inner jaxpr, or with effects: the proof fails and
-  names the primitive. A renamed or new JAX primitive therefore makes the
-  proof fail (and the caller fall back to the whole-tree step, with a
-  warning), never pass.
+The labels are propagated soundly, never guessed: an equation without inner
+jaxprs reads all its inputs into all its outputs; calls whose body takes the
+equation's inputs in order (``jit``, ``closed_call``, ``remat``,
+``custom_jvp_call`` and ``custom_vjp_call``, whose forward value is their
+body's) are followed inside; a ``cond``'s outputs read the predicate and
+every branch; ``scan`` and ``while`` carries are iterated to a fixed point
+(a leaf that reaches the carry in the second iteration is seen), a ``while``
+loop's outputs reading its condition. Anything else with an inner jaxpr, or
+with effects, fails the proof, naming the primitive: a renamed or new JAX
+primitive makes the caller fall back to the whole-tree step, with a warning,
+never pass.
 
 References:
   JAX, "Understanding Jaxprs" (jax.readthedocs.io).
@@ -140,16 +137,14 @@ def per_leaf_proof(update: Callable[..., Any], updates: Any, state: Any,
 
   Args:
     update: ``tx.update``.
-    updates: the gradients (arrays or ``jax.ShapeDtypeStruct`` s).
-    state: ``tx``'s state.
-    params: the params, or None.
-    state_labels: for each array of ``state`` (in ``jax.tree.leaves``
-      order), the leaf it belongs to, or -1 for a shared entry; the new
-      state must have the same layout.
+    updates, state, params: its arguments (arrays or abstract; params may
+      be None).
+    state_labels: for each array of ``state``, its leaf, or -1 if shared;
+      the new state must have the same layout.
     extra_args: the extra arguments of the update.
 
   Returns:
-    ``""`` if every output of leaf ``i`` reads only leaf ``i`` (and shared
+    ``""`` if every output of leaf ``i`` reads at most leaf ``i`` (and
     inputs that read no leaf), else the first reason found.
   """
   grads_flat, treedef = jax.tree.flatten(updates)

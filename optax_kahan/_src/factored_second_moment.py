@@ -9,19 +9,17 @@ second-to-last axis)::
     C <- b2 rho^2 C + (1 - b2) mean(g^2 + eps2, axis=-2)
     v^ = R (x) C / mean(R)          (the rank-1 estimate of v)
 
-Leading axes (conv kernels' spatial axes, stacked layers) are kept, so a
-``(kh, kw, cin, cout)`` kernel stores ``kh*kw*(cin + cout)`` numbers. Leaves
-with fewer than two dimensions keep a full ``v``. The step is
-``m / (sqrt(v^) + d_growth * eps)`` with the same ``d_ratio`` / ``d_growth``
-coupling as ``scale_by_second_moment``.
+Leading axes are kept (a ``(kh, kw, cin, cout)`` kernel stores
+``kh*kw*(cin + cout)`` numbers); leaves of fewer than two dimensions keep a
+full ``v``. The step is ``m / (sqrt(v^) + d_growth * eps)``, coupled to
+Prodigy as ``scale_by_second_moment`` is.
 
-Which axes: optax's ``scale_by_factored_rms`` factors the two *largest* axes,
-only when the second largest has at least 128 entries, and decays with
-``1 - t^-0.8``. Here the *last two* axes are factored (for the ``(..., in,
-out)`` layouts of Flax kernels those are the large ones, and the choice does
-not depend on the sizes), ``min_dim_size_to_factor`` (default 1) sets the
-smallest size of those two axes worth factoring, and ``b2`` is a constant or
-a schedule of the step count (``lambda t: 1 - t**-0.8`` gives Adafactor's).
+Which axes: optax's ``scale_by_factored_rms`` factors the two *largest* axes
+when the second largest has at least 128 entries, and decays with
+``1 - t^-0.8``. Here the *last two* axes are (the large ones of Flax's
+``(..., in, out)`` kernels, whatever the sizes), ``min_dim_size_to_factor``
+(default 1) is the smallest size of them worth factoring, and ``b2`` is a
+constant or a schedule (``lambda t: 1 - t**-0.8`` gives Adafactor's).
 
 ``eps2`` is added to ``g^2`` and is never multiplied by Prodigy's ``d^2``: in
 the reference discussion of Stable Cascade, a floor scaled by ``d^2``

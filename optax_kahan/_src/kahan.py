@@ -56,16 +56,11 @@ Residuals = Any  # A tree like the params: uint16 arrays, None for wide leaves.
 
 def _check_residuals(params: Any, residuals: Residuals,
                      allow_masked: bool = False) -> list[Any]:
-  """The residuals, one per params leaf, checked leaf by leaf.
-
-  With ``allow_masked`` (the export), node types may differ where the key
-  paths agree and ``optax.MaskedNode`` residuals are accepted; otherwise (a
-  step) the trees must match exactly.
-
-  Raises:
-    ValueError: naming the leaf whose residual is missing, superfluous or of
-      the wrong dtype or shape, or the first path where the trees differ.
-  """
+  """The residuals, one per params leaf, checked leaf by leaf; a ValueError
+  names the leaf whose residual is missing, superfluous or of the wrong dtype
+  or shape, or where the trees differ. With ``allow_masked`` (the export),
+  node types may differ where the key paths agree, and ``MaskedNode``
+  residuals are accepted."""
   lows = leaves_like(params, residuals, "residuals", strict=not allow_masked)
   flat = jax.tree.structure(params, is_leaf=is_none).flatten_up_to(params)
   for path, p, r in zip(paths(params), flat, lows):
@@ -79,12 +74,11 @@ def _check_residuals(params: Any, residuals: Residuals,
             f"got {got}")
     elif r is not None:
       dtype = jnp.result_type(p) if p is not None else None
-      hint = ""
-      if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-        hint = (": it was bfloat16 when the residual was made. kahan's updates "
-                "are float32, so p + u promotes a bfloat16 weight to float32; "
-                "apply them with optax.apply_updates(params, updates), which "
-                "keeps each param's dtype")
+      hint = (": it was bfloat16 when the residual was made; kahan's float32 "
+              "updates promote p + u to float32, so apply them with "
+              "optax.apply_updates, which keeps each param's dtype"
+              if dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+              else "")
       raise ValueError(
           f"leaf {path} is {dtype} and needs no residual, got "
           f"{jnp.result_type(r)}{list(r.shape)}{hint}")
@@ -99,12 +93,6 @@ def to_host(x: jax.Array) -> jax.Array:
 def to_device(x: jax.Array) -> jax.Array:
   """Brings ``x`` into device memory, keeping its sharding."""
   return jax.device_put(x, jax.memory.Space.Device)
-
-
-def _back_where_from(lows: list[Any], new_lows: list[Any]) -> list[Any]:
-  """Each new residual sent to the memory its old one came from."""
-  return [to_host(new) if lo is not None and on_host(lo) else new
-          for lo, new in zip(lows, new_lows)]
 
 
 def _exact(p: jax.Array, lo: Any, rounding: Rounding) -> jax.Array:
@@ -173,10 +161,9 @@ def kahan_apply_updates(
 ) -> tuple[Any, Residuals]:
   """Applies ``updates`` exactly: ``p, lo <- split(merge(p, lo) + u)``.
 
-  The sum is float32 and the result is split again, so the float32 value of
-  each weight evolves bit for bit as float32 master weights would. Residuals in
-  host memory are brought in and sent back inside the computation; they return
-  to the memory they came from.
+  The sum is float32, so each weight's float32 value evolves bit for bit as
+  float32 master weights would. Leaf by leaf (``for_each_leaf``), each host
+  residual brought in and sent back to host memory inside its leaf's row.
 
   Args:
     params: the params tree (bfloat16 leaves with residuals; float32/float64
@@ -248,11 +235,10 @@ def kahan_from_float32(
     hi, lo = bits.split_float32(x, rounding)
     return hi, to_host(lo) if offload else lo
 
-  pairs = map_leaves(split_leaf, params_f32)
   treedef = jax.tree.structure(params_f32, is_leaf=is_none)
-  pairs = treedef.flatten_up_to(pairs)
-  return (treedef.unflatten([a for a, _ in pairs]),
-          treedef.unflatten([b for _, b in pairs]))
+  pairs = treedef.flatten_up_to(map_leaves(split_leaf, params_f32))
+  return (treedef.unflatten([hi for hi, _ in pairs]),
+          treedef.unflatten([lo for _, lo in pairs]))
 
 
 def kahan_to_float32(
@@ -260,11 +246,10 @@ def kahan_to_float32(
 ) -> Any:
   """The exact float32 value of each weight: ``merge(p, lo)``.
 
-  Use it to export a float32 checkpoint, to evaluate at full precision, or to
-  compare with a float32 run. Wide float leaves are returned as they are. A
-  bfloat16 leaf that this ``kahan`` does not train (its residual is an
-  ``optax.MaskedNode``: ``kahan`` inside ``optax.masked`` or
-  ``optax.partition``) is exactly its bfloat16 value, returned in float32.
+  To export a float32 checkpoint, evaluate at full precision or compare with
+  a float32 run. Wide float leaves are returned as they are; a bf16 leaf
+  this ``kahan`` does not train (an ``optax.MaskedNode`` residual, under
+  ``optax.masked`` or ``partition``) is its bf16 value in float32.
 
   Args:
     params: the params; with Flax NNX, ``nnx.state(model, nnx.Param)``.
@@ -307,62 +292,55 @@ def kahan(
     p', lo'        = split(x + u)
     returned delta = float32(p') - float32(p)
 
-  ``inner.init`` and ``inner``'s update see the exact float32 params and
-  float32 gradients (an exact upcast), so the inner moments live in float32,
-  and weight decay or Prodigy's distance to the initial point see the true
-  weights.
+  ``inner`` sees the exact float32 params and float32 gradients (an exact
+  upcast): its moments live in float32, and weight decay or Prodigy's
+  distance to the initial point see the true weights.
 
   Why float32 deltas: ``optax.apply_updates`` computes ``(p + u).astype(p.dtype)``.
-  With ``u = float32(p') - float32(p)`` the sum is ``p'`` exactly and the cast
-  is exact, so the bf16 params land on ``p'``, matching the residual ``lo'``.
-  A bf16 delta would itself be rounded, and about 3% of elements would land on
-  a neighbour of ``p'`` when ``|delta / p| >= 0.5``. The float32 difference of
-  two bf16 numbers is exact unless their magnitudes differ by more than a
-  factor of about ``2**15`` (a weight jumping from 1e3 to 1e-3 in one step; a
-  jump to or from zero is exact); only then would ``apply_updates`` miss ``p'``.
+  With ``u = float32(p') - float32(p)`` the sum is ``p'`` exactly (the
+  difference of two bf16 numbers is exact in float32 unless their magnitudes
+  differ by more than about ``2**15``), so the bf16 params land on ``p'``,
+  matching ``lo'``. A bf16 delta would itself be rounded: about 3% of
+  elements would land on a neighbour of ``p'`` when ``|delta / p| >= 0.5``.
 
-  Float32 and float64 leaves need no residual: their update is ``inner``'s,
-  unchanged. Other dtypes raise a ValueError at init naming the leaf.
-
-  ``init(params)`` starts the residuals at zero: the float32 value of each
-  weight is its bf16 value. ``init(params, residuals)`` starts from exact
-  float32 weights, e.g. ``params, residuals = kahan_from_float32(w32)``, and
-  the inner state is initialized from them too (Prodigy's ``x0``, say).
+  Float32 and float64 leaves need no residual: their update is ``inner``'s.
+  Other dtypes raise a ValueError at init naming the leaf. ``init(params)``
+  starts the residuals at zero (each weight's float32 value is its bf16);
+  ``init(params, residuals)`` from exact float32 weights
+  (``kahan_from_float32(w32)``), which the inner state starts from too.
 
   Leaf by leaf: the step runs ``inner``'s per-leaf stages
-  (``optax_kahan.per_leaf``) in rows of ``for_each_leaf``; each leaf's merge,
-  statistics, update and split happen inside its own rows, with its host
-  residual copied in one row ahead and sent back after. On a GPU about two
-  leaves' residuals are then on the device at once instead of all of them;
-  on the CPU, one leaf's temporaries. Prodigy's sums take one more pass, so
-  its residuals are copied in twice. The results are ``inner`` applied to
-  each leaf alone (bit for bit; see ``optax_kahan.per_leaf`` on the one XLA
-  rewrite that makes that differ from a whole-tree program by an ulp).
-  An ``inner`` with no per-leaf form (it couples leaves in a way it does not
-  declare: ``optax.clip_by_global_norm`` or ``optax.apply_if_finite`` inside
-  an ``optax.chain``) runs on the whole tree, with a warning that names why:
-  on a GPU every residual is then staged at once. ``optax_kahan.chain``,
+  (``optax_kahan.per_leaf``) in rows of ``for_each_leaf``, each leaf's merge,
+  update and split inside its own rows. A host residual is copied in once
+  the leaf before the last has gone back, and sent back inside its own row,
+  which the next leaf waits for: on a GPU one residual goes out while the
+  next comes in, about two leaves' worth on the device at once (on the CPU,
+  one leaf's temporaries). Prodigy's sums take a pass of their own, so its
+  residuals come in twice. The results are ``inner`` applied to each leaf
+  alone (see ``optax_kahan.per_leaf``). An ``inner`` with no per-leaf form
+  (``optax.clip_by_global_norm`` or ``optax.apply_if_finite`` inside an
+  ``optax.chain``) runs on the whole tree, with a warning: on a GPU every
+  residual is then staged at once. ``optax_kahan.chain``,
   ``clip_by_global_norm`` and ``apply_if_finite`` keep the per-leaf form.
 
-  Donation: params and state can be donated to the jitted step. The residuals
-  travel between host and device inside it, so XLA does not alias their
-  buffers across memory kinds; that costs nothing but the aliasing. Each
-  residual leaves the step in the memory it came in (one that arrives in
-  device memory under ``offload=True``, restored with a target that carries
-  no memory kind, stays there, with a warning that says how to move it).
+  Donation: params and state can be donated to the jitted step (XLA does
+  not alias the residuals' buffers across memory kinds, which costs nothing
+  but the aliasing). Each residual leaves the step in the memory it came in:
+  one restored into device memory under ``offload=True`` stays there, with a
+  warning that says how to move it.
 
   Committed params: the offloaded residuals are committed arrays, and a
-  jitted step whose arguments mix committed and uncommitted ones compiles a
-  second time on its second call. ``init`` commits the rest of the state
-  where the params live and warns when the params are uncommitted:
+  jitted step whose arguments mix committed and uncommitted ones compiles
+  again on its second call. ``init`` commits the rest of the state where the
+  params live, and warns when they are uncommitted:
   ``params = jax.device_put(params, jax.devices()[0])`` before ``init``.
 
   Wrappers: ``kahan`` goes outermost, or under wrappers that keep the
-  updates as they are (``optax.MultiSteps``, ``optax.masked``,
-  ``optax.partition``, ``optax.inject_hyperparams``). Put
-  ``apply_if_finite`` inside, ``kahan(apply_if_finite(tx, n))``: around
-  ``kahan`` it would pair the float32 deltas with zeros in the gradients'
-  dtype, which ``lax.cond`` refuses for bf16 gradients.
+  updates as they are (``optax.MultiSteps``, ``masked``, ``partition``,
+  ``inject_hyperparams``). ``apply_if_finite`` goes inside,
+  ``kahan(apply_if_finite(tx, n))``: around ``kahan`` it would pair the
+  float32 deltas with zeros in the gradients' dtype, which ``lax.cond``
+  refuses for bf16 gradients.
 
   Args:
     inner: any optax transformation (extra args such as ``value`` are passed
@@ -406,27 +384,28 @@ def kahan(
     return _commit_with(state, params) if offload else state
 
   def checked(updates, state, params):
-    # The residuals one per gradient leaf (None gradients included), checked.
+    # The residuals one per gradient leaf, after the checks, and the function
+    # that makes the residual tree of the new ones (each back in the memory
+    # its old one came from).
     if params is None:
       raise ValueError("kahan(...).update needs params: call "
                        "tx.update(grads, state, params)")
     validation.check_state("kahan(...)", state, KahanState)
     _check_memory(params, _check_residuals(params, state.residuals), offload)
-    return leaves_like(updates, state.residuals, "residuals")
+    full = leaves_like(updates, state.residuals, "residuals")  # None grads too
+    grads = jax.tree.structure(updates, is_leaf=is_none).flatten_up_to(updates)
+    lows = [lo for g, lo in zip(grads, full) if g is not None]
 
-  def new_residuals(updates, state, lows, new_lows):
-    # The residual tree with the rows' new residuals (one per non-None
-    # gradient), each sent back to the memory its old one came from.
-    full = jax.tree.structure(updates, is_leaf=is_none).flatten_up_to(updates)
-    it = iter(_back_where_from([lo for g, lo in zip(full, lows)
-                                if g is not None], new_lows))
-    out = [lo if g is None else next(it) for g, lo in zip(full, lows)]
-    return jax.tree.structure(state.residuals, is_leaf=is_none).unflatten(out)
+    def residuals(new_lows):
+      it = iter(to_host(new) if lo is not None and on_host(lo) else new
+                for lo, new in zip(lows, new_lows))
+      return jax.tree.structure(state.residuals, is_leaf=is_none).unflatten(
+          [lo if g is None else next(it) for g, lo in zip(grads, full)])
+
+    return lows, residuals
 
   def stages(updates, state, params, **extra_args):
-    all_lows = checked(updates, state, params)
-    lows = jax.tree.structure(updates).flatten_up_to(
-        jax.tree.structure(updates, is_leaf=is_none).unflatten(all_lows))
+    lows, residuals = checked(updates, state, params)
     exact_like = jax.tree.map(
         lambda p: jax.ShapeDtypeStruct(
             p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
@@ -459,9 +438,8 @@ def kahan(
               (to_host(new_lo) if w.host else new_lo, s))
 
     def finish(states, shared):
-      return KahanState(
-          new_residuals(updates, state, all_lows, [lo for lo, _ in states]),
-          inner_st.finish([s for _, s in states], shared))
+      return KahanState(residuals([lo for lo, _ in states]),
+                        inner_st.finish([s for _, s in states], shared))
 
     return per_leaf.LeafStages(
         inner_st.leaf_states, inner_st.shared,
@@ -471,10 +449,8 @@ def kahan(
 
   def whole_tree(updates, state, params, **extra_args):
     # merge, inner.update on the whole tree, split.
-    all_lows = checked(updates, state, params)
+    lows, residuals = checked(updates, state, params)
     treedef = jax.tree.structure(updates)
-    lows = treedef.flatten_up_to(
-        jax.tree.structure(updates, is_leaf=is_none).unflatten(all_lows))
     ps = treedef.flatten_up_to(params)
     x32 = [_exact(p, lo, rounding) for p, lo in zip(ps, lows)]
     u, inner_state = inner.update(upcast(updates), state.inner_state,
@@ -485,23 +461,18 @@ def kahan(
       deltas.append(u if lo is None else landing_delta(p, hi))
       new_lows.append(new_lo)
     return (treedef.unflatten(deltas),
-            KahanState(new_residuals(updates, state, all_lows, new_lows),
-                       inner_state))
+            KahanState(residuals(new_lows), inner_state))
 
   return per_leaf.transformation(init_fn, stages, ordered=True,
                                  whole_tree=whole_tree)
 
 
 def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
-  """Warns for each residual outside the memory that ``offload`` says.
-
-  Each residual leaves a step in the memory it came in: a step whose output
-  lands in another memory than a donated input aborts the process inside
-  the runtime. So a residual restored into device memory (with a checkpoint
-  target that carries no memory kind) stays there, costing device memory,
-  and this warns while the step is traced, naming the leaf and the fix.
-  ``lows`` are the residuals one per params leaf (from ``_check_residuals``).
-  """
+  """Warns, naming the leaf and the fix, for residuals outside the memory
+  that ``offload`` says (a checkpoint restored with targets that carry no
+  memory kind). They stay there: a step whose output lands in another memory
+  than a donated input aborts inside the runtime. ``lows``: one per params
+  leaf (from ``_check_residuals``)."""
   misplaced = [path for path, lo in zip(paths(params), lows)
                if lo is not None and not isinstance(lo, optax.MaskedNode)
                and on_host(lo) != offload]
@@ -522,14 +493,11 @@ def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
 def _commit_with(state: Any, params: Any) -> Any:
   """Commits ``state``'s uncommitted arrays where the params live.
 
-  Offloaded residuals are committed arrays (they carry a memory kind). When a
-  jitted step gets committed and uncommitted arguments, JAX lowers the
-  uncommitted ones without a placement; the step's outputs are all
-  committed, so the second call lowers differently and the whole step
-  compiles again (minutes for a large model). Committing the whole state
-  avoids that when the params are committed too (as restored or
-  ``jax.device_put`` params are); for uncommitted params this warns, since
-  only the caller can commit them.
+  Offloaded residuals are committed arrays; a jitted step given committed
+  and uncommitted arguments returns committed outputs, so its second call
+  lowers differently and compiles again (minutes for a large model). With
+  committed params the whole state is committed; uncommitted params warn,
+  since only the caller can commit them.
   """
   arrays = [x for x in jax.tree.leaves(params)
             if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
@@ -557,20 +525,17 @@ def _commit_with(state: Any, params: Any) -> Any:
 def kahan_residuals(opt_state: optax.OptState) -> Residuals:
   """The residuals of the ``KahanState`` inside ``opt_state``.
 
-  Works whatever wraps ``kahan`` (``optax.apply_if_finite``, ``MultiSteps``,
-  ``inject_hyperparams``, a chain, Flax NNX's ``nnx.Optimizer`` state); use
-  it to export exact float32 weights with ``kahan_to_float32``. Under
-  ``optax.partition`` or ``optax.masked`` with one ``kahan`` per group, each
-  ``KahanState`` holds ``optax.MaskedNode`` for the leaves of the other
-  groups; they are combined leaf by leaf.
+  Works whatever wraps ``kahan`` (``MultiSteps``, ``inject_hyperparams``, a
+  chain, ``nnx.Optimizer``'s state, ``BlockwiseState``); export exact float32
+  weights with ``kahan_to_float32``. With one ``kahan`` per group under
+  ``optax.partition`` or ``masked``, the groups' residuals (``MaskedNode``
+  for the other groups' leaves) are combined leaf by leaf.
 
   Raises:
     ValueError: if ``opt_state`` holds no ``KahanState``, or two of them
       hold a residual for the same leaf.
   """
-  found = [s for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, KahanState))
-           if isinstance(s, KahanState)]
+  found = validation.find(opt_state, KahanState)
   if not found:
     raise ValueError("no KahanState in this optimizer state")
 
@@ -602,10 +567,9 @@ def kahan_replace_residuals(
   ``res = kahan_init(params)`` (the float32 value of each weight is then its
   bf16 value), then ``opt_state = kahan_replace_residuals(opt_state, res)``.
 
-  Stale residuals are never unsafe: ``merge(p, lo)`` lies within one bf16 ulp
-  of ``p`` whatever ``lo`` holds (within half an ulp in nearest mode;
-  ``|p| <= |merge| < |p| + ulp`` in truncate mode), so forgetting to reset
-  costs at most that much per weight, once.
+  Stale residuals are never unsafe: ``merge(p, lo)`` lies within half a bf16
+  ulp of ``p`` in nearest mode (``|p| <= |merge| < |p| + ulp`` in truncate
+  mode) whatever ``lo`` holds: forgetting to reset costs that, once.
 
   Args:
     opt_state: a state containing one or more ``KahanState``.
@@ -617,25 +581,22 @@ def kahan_replace_residuals(
   Raises:
     ValueError: if there is no ``KahanState`` or the trees do not match.
   """
-  found = [False]
+  if not validation.find(opt_state, KahanState):
+    raise ValueError("no KahanState in this optimizer state")
 
   def replace(s):
     if not isinstance(s, KahanState):
       return s
-    found[0] = True
-    old = jax.tree.structure(s.residuals, is_leaf=lambda x: x is None)
-    new = jax.tree.structure(residuals, is_leaf=lambda x: x is None)
-    if old != new:
-      raise ValueError(f"residuals do not match the state's:\n  state: {old}\n"
-                       f"  given: {new}")
+    where = validation.tree_mismatch(s.residuals, residuals,
+                                     names=("the state", "residuals"),
+                                     is_leaf=is_none)
+    if where:
+      raise ValueError(f"residuals do not match the state's: {where}")
     for a, b in zip(jax.tree.leaves(s.residuals), jax.tree.leaves(residuals)):
       if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"residual {b.dtype}{list(b.shape)} does not match "
                          f"the state's {a.dtype}{list(a.shape)}")
     return s._replace(residuals=residuals)
 
-  out = jax.tree.map(replace, opt_state,
-                     is_leaf=lambda x: isinstance(x, KahanState))
-  if not found[0]:
-    raise ValueError("no KahanState in this optimizer state")
-  return out
+  return jax.tree.map(replace, opt_state,
+                      is_leaf=lambda x: isinstance(x, KahanState))

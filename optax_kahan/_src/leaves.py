@@ -1,15 +1,7 @@
-"""The leaves of a bf16 params tree: which get a residual, exact upcasts, deltas.
-
-Shared by ``kahan`` and ``stochastic_rounding``:
-
-* ``needs_residual``: bfloat16 leaves do; float32 and float64 leaves are
-  updated normally; any other dtype is refused, naming the leaf's path;
-* ``upcast``: float leaves to at least float32, exactly;
-* ``landing_delta``: the float32 update that ``optax.apply_updates`` turns
-  a bf16 weight into a given new bf16 weight with;
-* ``leaves_like`` and ``map_leaves``: another tree's entries one per params
-  leaf, with short errors that name the first path where the trees differ.
-"""
+"""The leaves of a bf16 params tree, for ``kahan`` and ``stochastic_rounding``:
+which get a residual (``needs_residual``), exact upcasts, the float32 delta
+that lands on a new bf16 weight, and another tree's entries one per params
+leaf with errors that name the first path where the trees differ."""
 
 from __future__ import annotations
 
@@ -57,14 +49,10 @@ def leaves_like(params: Any, tree: Any, what: str,
                 strict: bool = False) -> list[Any]:
   """``tree``'s entries, one per leaf of ``params`` (None leaves included).
 
-  Unless ``strict``, the trees may differ in node types where their key
-  paths agree: a Flax NNX ``nnx.state(model, nnx.Param)`` against the
-  optimizer's ``OptVariable`` nodes, say. An ``optax.MaskedNode`` stands for
-  a leaf that an outer ``optax.masked`` or ``optax.partition`` keeps away.
-
-  Raises:
-    ValueError: naming the first path where the trees differ, and what each
-      has there (a ``FrozenDict`` against a ``dict``, a missing key).
+  Unless ``strict``, node types may differ where the key paths agree (Flax
+  NNX's ``nnx.State`` against the optimizer's ``OptVariable`` nodes); an
+  ``optax.MaskedNode`` stands for a leaf an outer ``optax.masked`` keeps away.
+  Raises a ValueError naming the first path where the trees differ.
   """
   treedef = jax.tree.structure(params, is_leaf=is_none)
   try:

@@ -1,51 +1,40 @@
 """The per-leaf contract: an optimizer step as map, sum, map, run leaf by leaf.
 
-Every step this package needs is three stages (``DESIGN``: map, reduce,
-map)::
+Every step this package needs is three stages::
 
   1. map:    stat_i   = statistic(g_i, s_i, x_i)      per leaf (a dot, a norm)
   2. reduce: shared   = combine(sum_i stat_i)         one small sum
   3. map:    u_i, s_i = update(g_i, s_i, x_i, shared) per leaf
 
-A transformation that declares its stages (a ``LeafStages``: the state cut per
-leaf, zero or more ``Round`` s of stages 1 and 2, and stage 3) can be run
-leaf by leaf: ``kahan`` merges each leaf's bf16 weight and residual inside the
-leaf's own rows and splits it there, so a GPU step holds one or two leaves'
-residuals and temporaries instead of all of them. A chain of such
-transformations is again one (``chain``): its rounds are the members' rounds
-in order, each recomputing the earlier members' per-leaf updates, with one sum
-per round.
+A transformation that declares them (``LeafStages``: the state cut per leaf,
+zero or more ``Round`` s of stages 1 and 2, and stage 3) can run leaf by
+leaf: ``kahan`` merges each leaf's bf16 weight and residual inside the leaf's
+rows and splits it there, so a GPU step holds a leaf or two of residuals and
+temporaries instead of all of them. A ``chain`` of such transformations is
+again one (its rounds are the members', each recomputing the earlier members'
+per-leaf updates). Reduce late: a transformation may instead fold a step's
+sums in at the start of the next (Prodigy's ``lagged_d``), keeping them in a
+``LateSums`` node of its state; who steps groups of leaves apart
+(``blockwise_step``) adds the groups' ``LateSums`` up.
 
-Reduce late: a transformation may instead fold this step's sums in at the
-start of the next step (Prodigy's ``lagged_d``). Its rows then compute the
-statistics beside the update, and its state keeps their sums in a
-``LateSums`` node. Whoever runs the step on groups of leaves
-(``optax_kahan.blockwise``: one group per block) adds the groups' ``LateSums``
-up: the reduction is a sum whichever way the leaves are grouped.
+Who implements it: every transformation of this package; optax's
+transformations through one adapter (``adapt``), once
+``dependence.per_leaf_proof`` has proved from the traced update that no
+leaf's output reads another leaf (``stages_of`` does both). A transformation
+that neither declares stages nor passes the proof has no per-leaf form, and
+``kahan`` runs it on the whole tree, with a warning. ``optax_kahan.coupled``
+gives ``clip_by_global_norm`` and ``apply_if_finite`` the contract.
 
-Who implements it: every transformation of this package. Transformations of
-optax (``adam``, ``adamw``, ``lion``, ``sgd``, ``adafactor``,
-``clip_by_block_rms``, schedules, ...) are given it by one adapter
-(``adapt``), once ``dependence.per_leaf_proof`` has proved from the traced
-update that no leaf's output reads another leaf; ``stages_of`` does both. A
-transformation that neither declares stages nor passes that proof has no
-per-leaf form: ``kahan`` then runs it on the whole tree, with a warning.
-optax's ``clip_by_global_norm`` and ``apply_if_finite`` couple the leaves;
-``optax_kahan.coupled`` gives them the contract.
+One ordering primitive runs rows, ``for_each_leaf``: by data dependencies
+when lowered for a GPU (or any non-CPU backend), as ``lax.cond`` islands on
+the CPU. Both forms evaluate the same per-leaf functions, and ``jax.grad``
+and ``jax.vmap`` go through both.
 
-One ordering primitive, ``for_each_leaf``, runs rows. Lowered for a GPU (or
-any non-CPU backend) it orders them by data dependencies alone; lowered for
-the CPU, each row is a ``lax.cond`` island (``lax.platform_dependent`` lowers
-one of the two). Both forms evaluate the same per-leaf functions, so they
-compute the same values, and ``jax.grad`` and ``jax.vmap`` go through both.
-
-Bit for bit: a per-leaf step computes the arithmetic of the transformation
-applied to each leaf alone. XLA rewrites a division by a scalar into a
-multiplication by its reciprocal only where the scalar has one user (one
-leaf), so ``optax.adam``'s bias correction rounds differently in a one-leaf
-row than in a whole-tree program: such a step is that optimizer on each leaf
-alone, bit for bit, and within an ulp of the whole-tree program. This
-package's own bias corrections multiply by the reciprocal and do not change.
+Bit for bit: a per-leaf step is the transformation applied to each leaf
+alone. XLA rewrites a division by a scalar into a multiplication by its
+reciprocal only where the scalar has one user, so ``optax.adam``'s bias
+correction rounds differently in a one-leaf row than in a whole-tree program
+(within an ulp). This package's bias corrections multiply by the reciprocal.
 
 References:
   PyTorch optimizers' ``foreach=False`` loops, one tensor at a time.
@@ -64,14 +53,10 @@ from optax_kahan._src import dependence
 
 
 class Round(NamedTuple):
-  """Stages 1 and 2: a per-leaf statistic, summed over the leaves.
-
-  Attributes:
-    statistic: ``(g_i, s_i, x_i, shared, **extra_args) -> (stat_i, s_i)``:
-      a pytree of arrays summed over the leaves, and the leaf's state (which
-      a round may update, as Prodigy's ``s``).
-    combine: ``(sums, shared) -> shared``: what the later stages see.
-  """
+  """Stages 1 and 2: ``statistic(g_i, s_i, x_i, shared, **extra_args) ->
+  (stat_i, s_i)`` (arrays summed over the leaves, and the leaf's state, which
+  a round may update, as Prodigy's ``s``), then ``combine(sums, shared) ->
+  shared``, what the later stages see."""
   statistic: Callable[..., tuple[Any, Any]]
   combine: Callable[[Any, Any], Any]
 
@@ -81,16 +66,14 @@ class LeafStages(NamedTuple):
 
   Attributes:
     leaf_states: the state cut into one entry per leaf, in leaf order.
-    shared: what every leaf's stages see before the first round (scalars
-      computed from the state: a learning rate, Prodigy's ``d``).
+    shared: what the stages see before the first round (a learning rate,
+      Prodigy's ``d``).
     rounds: the ``Round`` s, each one sum over the leaves.
     update: ``(g_i, s_i, x_i, shared, **extra_args) -> (u_i, s_i)``.
-    finish: ``(leaf_states, shared) -> state``: the new state from the new
-      per-leaf states (a reduce-late transformation sums its statistics
-      here into its ``LateSums``).
-    inputs: each leaf's ``x_i``, when it is not the leaf's param (``kahan``:
-      the bf16 weight and its residual, merged inside the rows); None for
-      the params.
+    finish: ``(leaf_states, shared) -> state`` (a reduce-late transformation
+      sums its statistics into its ``LateSums`` here).
+    inputs: each leaf's ``x_i`` when it is not the param (``kahan``: the
+      bf16 weight and its residual, merged inside the rows), else None.
   """
   leaf_states: list[Any]
   shared: Any
@@ -108,21 +91,17 @@ StagesFn = Callable[..., Optional[LeafStages]]
 
 
 class LateSums(NamedTuple):
-  """The sums of a reduce-late transformation's statistics, for the next step.
-
-  Groups of leaves stepped apart (``blockwise_step``) each hold their own
-  sums; adding the groups' ``sums`` gives the whole step's.
+  """A reduce-late transformation's sums, for the next step. Groups of leaves
+  stepped apart (``blockwise_step``) hold their own; their sum is the step's.
   """
   sums: Any
 
 
 class PerLeafUpdate:
-  """The ``update`` of a transformation that declares its stages.
-
-  Called, it runs the stages on the whole tree (``ordered=False``: one XLA
-  program that XLA fuses freely, as optax's own transformations are) or row
-  by row (``for_each_leaf``). ``stages`` is what ``stages_of`` reads.
-  """
+  """The ``update`` of a transformation that declares its stages: runs them
+  as one whole-tree program (XLA fuses freely, as for optax's own) or, if
+  ``ordered``, row by row (``for_each_leaf``). ``stages_of`` reads
+  ``stages``."""
 
   def __init__(self, stages: StagesFn, *, ordered: bool = False,
                whole_tree: Optional[Callable[..., Any]] = None):
@@ -152,38 +131,28 @@ def transformation(
 
   Args:
     init: the ``init`` function.
-    stages: ``(updates, state, params, **extra_args) -> LeafStages`` (or
-      None, when ``whole_tree`` is given, for arguments with no per-leaf
-      form).
-    ordered: run the rows in order (``for_each_leaf``), so that one leaf's
-      temporaries are dead before the next leaf's are made; otherwise its
-      ``update`` is one whole-tree program.
-    whole_tree: the update to call where ``stages`` returns None.
+    stages: ``(updates, state, params, **extra_args) -> LeafStages``, or None
+      where there is no per-leaf form (then ``whole_tree`` runs).
+    ordered: run the rows in order (``for_each_leaf``), one leaf's
+      temporaries dead before the next's are made, not as one program.
+    whole_tree: the update where ``stages`` returns None.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` is a
-    ``PerLeafUpdate``. ``optax`` wrappers around it (``optax.chain``,
-    ``inject_hyperparams``) build other update functions: use ``chain``.
+    ``PerLeafUpdate`` (optax's wrappers build other update functions: use
+    ``chain``, not ``optax.chain``, to keep the contract).
   """
   return optax.GradientTransformationExtraArgs(
       init, PerLeafUpdate(stages, ordered=ordered, whole_tree=whole_tree))
 
 
-def declared_stages(tx: Any) -> Optional[StagesFn]:
-  """The stages ``tx`` declares (its update is a ``PerLeafUpdate``), or None."""
-  update = getattr(tx, "update", None)
-  return update.stages if isinstance(update, PerLeafUpdate) else None
-
-
 def stages_of(tx: optax.GradientTransformation, updates: Any, state: Any,
               params: Any, **extra_args: Any
               ) -> tuple[Optional[LeafStages], str]:
-  """``tx``'s stages for these arguments, and why not when there are none.
+  """``tx``'s stages for these arguments, or None and the reason.
 
-  A transformation that declares stages gives them. Any other is traced
-  once (abstractly) and given ``adapt``'s stages if
-  ``dependence.per_leaf_proof`` proves that it acts leaf by leaf; otherwise
-  the result is ``(None, reason)``.
+  Declared stages, or else ``adapt``'s if ``dependence.per_leaf_proof``
+  proves from the traced update that ``tx`` acts leaf by leaf.
 
   Args:
     tx: a gradient transformation.
@@ -195,9 +164,8 @@ def stages_of(tx: optax.GradientTransformation, updates: Any, state: Any,
   Returns:
     ``(stages, "")`` or ``(None, reason)``.
   """
-  declared = declared_stages(tx)
-  if declared is not None:
-    st = declared(updates, state, params, **extra_args)
+  if isinstance(getattr(tx, "update", None), PerLeafUpdate):
+    st = tx.update.stages(updates, state, params, **extra_args)
     return st, "" if st is not None else "it has no per-leaf form here"
   tx = optax.with_extra_args_support(tx)
   try:
@@ -216,12 +184,9 @@ def stages_of(tx: optax.GradientTransformation, updates: Any, state: Any,
 
 # -- the adapter: a transformation that acts leaf by leaf ---------------------
 class _ParamsSlot:
-  """Stands in for the params in ``tx.init``: a pytree with no leaves.
-
-  ``jax.tree.map(f, slot)`` returns a slot, so every subtree of the state
-  made by mapping over the params comes out as a slot: the per-leaf entries
-  (``optax.tree.map_params`` finds them the same way).
-  """
+  """Stands in for the params in ``tx.init``: a pytree with no leaves, so
+  every subtree of the state mapped from the params comes out as a slot
+  (``optax.tree.map_params`` finds the per-leaf entries the same way)."""
 
 
 jax.tree_util.register_pytree_node(
@@ -244,11 +209,8 @@ class Layout(NamedTuple):
     return cls(entries, treedef)
 
   def split(self, state: Any, params_def: Any) -> list[Any]:
-    """``state`` cut into one state per leaf (shared entries in each).
-
-    A slot that the state leaves None (a first moment that ``init`` left
-    out for a static ``b1 = 0``) is None for every leaf.
-    """
+    """``state`` cut into one state per leaf (shared entries in each); a
+    slot the state leaves None (no first moment at ``b1 = 0``) is None."""
     n = params_def.num_leaves
     columns = [params_def.flatten_up_to(part)
                if _is_slot(e) and part is not None else [part] * n
@@ -283,12 +245,9 @@ class Layout(NamedTuple):
 
 def adapt(tx: optax.GradientTransformationExtraArgs, updates: Any, state: Any,
           layout: Optional[Layout] = None) -> LeafStages:
-  """The stages of a transformation that acts leaf by leaf: no rounds, and
-  ``tx.update`` on each leaf alone with its cut of the state.
-
-  Only for a transformation known or proved (``stages_of``) to act leaf by
-  leaf; the state keeps ``tx``'s own layout.
-  """
+  """The stages of a transformation known or proved (``stages_of``) to act
+  leaf by leaf: no rounds, and ``tx.update`` on each leaf alone with its cut
+  of the state (the state keeps ``tx``'s own layout)."""
   layout = layout or Layout.of(tx)
   params_def = jax.tree.structure(updates)
   try:
@@ -308,8 +267,7 @@ def adapt(tx: optax.GradientTransformationExtraArgs, updates: Any, state: Any,
 
 def leaf_by_leaf(tx: optax.GradientTransformation
                  ) -> optax.GradientTransformationExtraArgs:
-  """Declares that ``tx`` acts leaf by leaf (for this package's own
-  elementwise and per-leaf transformations): its stages are ``adapt``'s."""
+  """Declares that ``tx`` (one of this package's) acts leaf by leaf."""
   tx = optax.with_extra_args_support(tx)
 
   def stages(updates, state, params, **extra_args):
@@ -321,13 +279,10 @@ def leaf_by_leaf(tx: optax.GradientTransformation
 
 # -- running the stages -----------------------------------------------------
 def total(stats: list[Any]) -> Any:
-  """The sum over leaves of per-leaf statistics (pytrees of one structure).
-
-  Each entry is summed as one operation that XLA keeps whole: a Python sum is
-  a chain of one add per leaf, which XLA copies into every fused reader of
-  the result (the program grows with the square of the leaf count); the last
-  entry of a cumulative sum stays one operation.
-  """
+  """The sum over leaves of per-leaf statistics (pytrees of one structure),
+  each entry as one operation: a Python sum is one add per leaf, a chain XLA
+  copies into every fused reader (a program quadratic in the leaf count);
+  the last entry of a cumulative sum stays one operation."""
   if not stats:
     return None
   return jax.tree.map(lambda *xs: jnp.cumsum(jnp.stack(xs), axis=0)[-1],
@@ -336,19 +291,9 @@ def total(stats: list[Any]) -> Any:
 
 def run(st: LeafStages, grads: list[Any], xs: list[Any], *, ordered: bool,
         **extra_args: Any) -> tuple[list[Any], Any]:
-  """Runs ``st`` on the leaves: each round (its statistics summed), then the
-  update.
-
-  Args:
-    st: the stages.
-    grads: one gradient per leaf.
-    xs: one param per leaf (or None); ``st.inputs`` instead if it has them.
-    ordered: rows by ``for_each_leaf``, or one whole-tree program.
-    **extra_args: passed to every per-leaf stage.
-
-  Returns:
-    ``([u_i], new_state)``.
-  """
+  """Runs ``st`` on the leaves (``grads``, and ``xs`` or ``st.inputs``):
+  each round, its statistics summed, then the update; rows by
+  ``for_each_leaf`` if ``ordered``. Returns ``([u_i], new_state)``."""
   rows = for_each_leaf if ordered else _unordered
   xs = xs if st.inputs is None else st.inputs
   states = list(st.leaf_states)
@@ -389,13 +334,10 @@ def _stage(tree: Any) -> Any:
 
 def tie(x: Any, token: jax.Array,
         scalars: bool = True) -> tuple[Any, jax.Array]:
-  """``x`` and ``token`` through one optimization barrier.
-
-  Whatever reads the returned arrays runs after ``token`` exists, and the
-  returned token exists only once all of ``x`` does. With ``scalars=False``
-  the scalars of ``x`` stay outside: a row's inputs such as a step count,
-  shared by all rows, are then computed once.
-  """
+  """``x`` and ``token`` through one optimization barrier: what reads the
+  returned ``x`` runs after ``token`` exists, and the returned token exists
+  once all of ``x`` does. ``scalars=False`` leaves the scalars of ``x`` out
+  (a step count shared by all rows is then computed once)."""
   flat, treedef = jax.tree.flatten(x)
   tied = [i for i, a in enumerate(flat) if scalars or jnp.ndim(a) > 0]
   out, token = jax.lax.optimization_barrier(([flat[i] for i in tied], token))
@@ -413,34 +355,33 @@ def for_each_leaf(fn: Callable[..., tuple[Any, Any]], *columns: list[Any],
   a GPU each one reads its predicate back to the host and waits for the
   device to drain)::
 
-    token_0 = barrier(0)
+    token_0 = barrier(after)
     for i, row in enumerate(rows):
       row_i = stage(tie(row_i, token_{i-1}))   # host arrays -> device
       row_i = tie(row_i, token_i)
       free_i, chained_i = fn(*row_i)
       chained_i, token_{i+1} = tie(chained_i, token_i)
 
-  so row ``i + 1``'s work starts once row ``i``'s ``chained`` outputs exist,
-  and its host arrays (``kahan``'s residuals) are copied in once row
-  ``i - 1`` is done, overlapping row ``i``. ``free`` outputs are not tied, so
-  XLA may fuse them into their readers outside (an update into
-  ``optax.apply_updates``). A row's scalar inputs are not tied (a scalar
-  shared by all rows is computed once); its scalar ``chained`` outputs are.
+  Row ``i + 1``'s work starts once row ``i``'s ``chained`` outputs exist (a
+  residual that ``fn`` sent back to host memory included: its copy is then
+  done), and its host inputs are copied in once row ``i - 1``'s are. So one
+  row's host outputs go out while the next row's inputs come in. ``free``
+  outputs are not tied: XLA may fuse them into their readers (an update into
+  ``optax.apply_updates``). Scalar inputs are not tied (a scalar shared by
+  all rows is computed once); scalar ``chained`` outputs are.
 
   Lowered for the CPU, each row is a ``lax.cond`` island whose two branches
-  are ``fn`` (the predicate, a token leaving each island with its outputs,
-  cannot change the result): XLA:CPU schedules a branch as one unit, so one
-  row's temporaries die before the next row's are made, which data
-  dependencies alone do not achieve there. A conditional costs no host round
-  trip on the CPU.
+  are ``fn`` (the predicate, a token, cannot change the result): XLA:CPU
+  schedules a branch as one unit, so one row's temporaries die before the
+  next row's are made, which data dependencies alone do not achieve there.
 
   Args:
     fn: the per-row work; arguments and outputs are pytrees of arrays
       (``None`` allowed).
     *columns: equal-length lists, one entry per row.
-    after: arrays that the first rows wait for (``token_0`` is made from
-      them): a pass that needs the sums of the pass before it, so that its
-      first host copies do not start during that pass.
+    after: arrays the first row waits for: a pass that needs the sums of
+      the pass before it, so that its host copies do not start during that
+      pass.
 
   Returns:
     ``fn``'s outputs, in order.
@@ -494,11 +435,10 @@ def chain(*txs: optax.GradientTransformation
           ) -> optax.GradientTransformationExtraArgs:
   """``optax.chain`` that keeps the per-leaf contract of its members.
 
-  Same state and results as ``optax.chain(*txs)``. Its stages: the members'
-  rounds in order (member ``j``'s statistics read the per-leaf updates of
-  members ``0..j-1``, recomputed in that round's rows), then every member's
-  update in turn. A member with no per-leaf form (neither declared nor
-  proved) makes the chain one too: its update is then ``optax.chain``'s.
+  ``optax.chain``'s state and results. Its stages: the members' rounds in
+  order (member ``j``'s statistics read members ``0..j-1``'s per-leaf
+  updates, recomputed in that round's rows), then each member's update. With
+  a member that has no per-leaf form, the update is ``optax.chain``'s.
 
   Args:
     *txs: the transformations, in order.
@@ -569,12 +509,11 @@ def leafwise(tx: optax.GradientTransformation
              ) -> optax.GradientTransformationExtraArgs:
   """Runs ``tx`` row by row (``for_each_leaf``), bounding its scratch by a leaf.
 
-  XLA compiles a whole-tree step as one program and runs each stage for
-  every leaf before the next, so every leaf's float32 temporaries are alive
-  at once. ``leafwise(tx)`` runs ``tx``'s stages (declared, or proved by
-  ``stages_of``) one leaf after the other; the results are those of ``tx``
-  on each leaf alone (see the module docstring). ``kahan`` always runs its
-  inner transformation this way.
+  A whole-tree program runs each stage for every leaf before the next, so
+  every leaf's float32 temporaries are alive at once; ``leafwise(tx)`` runs
+  ``tx``'s stages (declared, or proved by ``stages_of``) one leaf after the
+  other, as ``kahan`` always does. The results are ``tx``'s on each leaf
+  alone (see the module docstring).
 
   Args:
     tx: a transformation with a per-leaf form.
@@ -596,10 +535,9 @@ def leafwise(tx: optax.GradientTransformation
     st, reason = stages_of(tx, updates, state, params, **extra_args)
     if st is None:
       raise ValueError(f"leafwise: the transformation has no per-leaf form: "
-                       f"{reason}. Keep transformations that couple leaves "
-                       "(optax.clip_by_global_norm, optax.apply_if_finite) "
-                       "out of it, or use optax_kahan.clip_by_global_norm, "
-                       "optax_kahan.apply_if_finite and optax_kahan.chain")
+                       f"{reason}. For optax.clip_by_global_norm and "
+                       "optax.apply_if_finite use optax_kahan's, in "
+                       "optax_kahan.chain")
     return st
 
   return transformation(tx.init, stages, ordered=True)

@@ -21,19 +21,15 @@ by ``d``, so it composes with the d-estimator and with optax's own clipping.
 Reference behaviours kept on purpose:
 
 * If ``sum |s| == 0`` (no non-zero gradient reached ``s`` yet) the step is
-  skipped: no parameter change, ``d``, ``r`` and the step count stay (the
+  skipped: no parameter change; ``d``, ``r`` and the step count stay (the
   moments still absorb the gradient, as prodigyopt's do). optax.contrib.prodigy
-  gives NaN there.
-* A learning rate of exactly 0 makes the whole step a no-op (state unchanged).
-* One ``d`` is shared by all leaves; ``d``, ``d_max`` and ``r`` are float32 (or
-  wider with float64 params) whatever the params' dtype; ``s`` and ``x0`` follow
-  the params' dtype.
-* prodigyopt stores ``x0`` as a 0-d zero for an all-zero leaf to save memory;
-  that is the same value as the zero slice kept here (shapes must be static
-  under jit).
-* A learning-rate schedule is evaluated at the number of ``update`` calls, as
-  in optax (prodigyopt's scheduler likewise runs on outside the optimizer);
-  the bias correction uses the number of steps taken, prodigyopt's ``k``.
+  gives NaN there. A learning rate of exactly 0 makes the step a no-op.
+* One ``d`` for all leaves; ``d``, ``d_max`` and ``r`` are float32 (float64
+  with float64 params); ``s`` and ``x0`` follow the params' dtype.
+* prodigyopt stores ``x0`` as a 0-d zero for an all-zero leaf; here it is a
+  zero slice of the same value (shapes are static under jit).
+* A schedule is evaluated at the number of ``update`` calls, as in optax; the
+  bias correction uses the number of steps taken, prodigyopt's ``k``.
 
 Clipping the update (for example with ``optax.clip_by_block_rms`` inside the
 preconditioner) does not change ``r`` and ``s``, which see the raw gradient, but
@@ -49,6 +45,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional
 
 import chex
@@ -184,14 +181,13 @@ def scale_by_prodigy(
     bias_correction: ``(b1, b2)`` to fold Adam's bias correction into ``dlr``,
       or None.
     lagged_d: use ``d`` one step late, as a fused backward pass must
-      (``optax_kahan.blockwise``): step ``k`` is taken with the ``d_k``
-      known when it starts, and the sums ``r`` and ``s`` of its gradients
-      are folded into ``d_{k+1}`` at the start of step ``k+1``. The step
-      itself is then ``-dlr (P_k + lambda x)`` with ``d_growth = 1``
+      (``optax_kahan.blockwise``; the contract's "reduce late"): step ``k``
+      uses the ``d_k`` known when it starts, and its sums (kept in a
+      ``LateSums``) are folded into ``d_{k+1}`` at the start of step
+      ``k+1``. The step is ``-dlr (P_k + lambda x)`` with ``d_growth = 1``
       (``eps d_k`` where Prodigy has ``eps d_{k+1}``; with ``b1 = 0``,
-      ``d_k g`` where it has ``d_{k+1} g``), and it is never skipped: with
-      ``sum |s| = 0`` only ``d``, ``r`` and ``k`` stay. ``prodigy_d`` then
-      reads the ``d`` the last step used.
+      ``d_k g`` for ``d_{k+1} g``), never skipped: with ``sum |s| = 0``
+      only ``d``, ``r`` and ``k`` stay.
     state_dtype: dtype of ``s`` and ``x0`` (e.g. ``jnp.bfloat16``); None
       follows the params. A bfloat16 ``x0`` is exact when the initial
       weights are bfloat16 (``kahan`` from zero residuals); from float32
@@ -250,26 +246,7 @@ def scale_by_prodigy(
                  else None))
 
   def next_d(state, numerator, denom):
-    """``d_{k+1}``, ``d_max``, ``r`` and ``skip`` from the new ``r`` and
-    ``sum |s|``; unchanged (``skip``) when ``sum |s| == 0``."""
-    skip = denom == 0
-    d = state.d
-    d_hat = d_coef * numerator / jnp.where(skip, 1, denom)
-    d_new = jnp.where(d == d0, jnp.maximum(d, d_hat), d)
-    d_max = jnp.maximum(state.d_max, d_hat)
-    d_new = jnp.minimum(d_max, d_new * growth_rate)
-    return _Shared(jnp.where(skip, d, d_new),
-                   jnp.where(skip, state.d_max, d_max),
-                   jnp.where(skip, state.numerator, numerator), skip)
-
-  def fold(state):
-    """With ``lagged_d``: the previous step's sums folded into ``d``."""
-    sums = state.pending.sums
-    new = next_d(state, jnp.asarray(b3, state.d.dtype) * state.numerator
-                 + sums[0], sums[1])
-    return state._replace(
-        k=jnp.where(new.skip, state.k, optax.safe_increment(state.k)),
-        d=new.d, d_prev=state.d, d_max=new.d_max, numerator=new.numerator)
+    return _next_d(state, numerator, denom, d0, d_coef, growth_rate)
 
   def stages(updates, state, params, **extra_args):
     if params is None:
@@ -278,12 +255,15 @@ def scale_by_prodigy(
     validation.check_state("scale_by_prodigy", state, ScaleByProdigyState)
     _warn_if_narrow(params, d0 * (1.0 if callable(learning_rate)
                                    else learning_rate))
-    if lagged_d:
-      state = fold(state)
+    if lagged_d:  # the previous step's sums, folded into d
+      sums = state.pending.sums
+      new = next_d(state, b3 * state.numerator + sums[0], sums[1])
+      state = state._replace(
+          k=jnp.where(new.skip, state.k, optax.safe_increment(state.k)),
+          d=new.d, d_prev=state.d, d_max=new.d_max, numerator=new.numerator)
     dtype = state.d.dtype
-    lr = (learning_rate(state.count) if callable(learning_rate)
-          else learning_rate)
-    lr = jnp.asarray(lr, dtype)
+    lr = jnp.asarray(learning_rate(state.count) if callable(learning_rate)
+                     else learning_rate, dtype)
     d = state.d
     bc = 1.0
     if bias_correction is not None:
@@ -292,54 +272,41 @@ def scale_by_prodigy(
       bc = jnp.sqrt(1 - b2**kf) / (1 - b1**kf)
     dlr = d * lr * bc
     weight = (d / d0) * dlr
-    s_weight = (d / d0) * d if safeguard_warmup else weight
-    b3_ = jnp.asarray(b3, dtype)
+    sums_of = functools.partial(
+        _statistics, slice_p=slice_p, b3=jnp.asarray(b3, dtype), dtype=dtype,
+        s_weight=(d / d0) * d if safeguard_warmup else weight)
     d_ratio = state.d_prev / d
     frozen = lr == 0  # prodigyopt skips the whole step, moments included.
     pst, reason = per_leaf.stages_of(
         preconditioner, updates, state.preconditioner_state, params,
         d_ratio=d_ratio, d_growth=jnp.ones([], dtype), **extra_args)
-    if pst is None:
+    if pst is None or pst.rounds:
       raise ValueError(
-          f"scale_by_prodigy: the preconditioner has no per-leaf form "
-          f"({reason}); build it from per-leaf transformations, with "
-          "optax_kahan.chain, clip_by_global_norm and apply_if_finite where "
-          "leaves are coupled")
+          "scale_by_prodigy: the preconditioner "
+          + (f"has no per-leaf form ({reason})" if pst is None else
+             "sums over the leaves itself") + "; build it from "
+          "transformations that act leaf by leaf, and clip the gradients "
+          "by their global norm before Prodigy (optax_kahan.chain)")
 
     def statistic(g, ls, x, shared, **extra):
-      # <g_S, x0_S - x_S> and the new s with its sum |s|.
       del shared, extra
-      s, x0, ps = ls[:3]
-      g_s = _slice(g, slice_p).astype(dtype)
-      x_s = _slice(x, slice_p).astype(dtype)
-      dot = jnp.sum(g_s * (x0.astype(dtype) - x_s))
-      s = (b3_ * s.astype(dtype) + s_weight * g_s).astype(s.dtype)
-      return jnp.stack([dot, jnp.sum(jnp.abs(s.astype(dtype)))]), (s, x0, ps)
+      stat, s = sums_of(g, x, ls[1], ls[0])
+      return stat, (s, *ls[1:])
 
     def combine(sums, shared):
-      new = next_d(state, b3_ * state.numerator + weight * sums[0], sums[1])
+      new = next_d(state, b3 * state.numerator + weight * sums[0], sums[1])
       return new._replace(d_growth=new.d / d, pshared=shared.pshared)
 
-    def precondition(rnd):
-      # A round of the preconditioner's own, after d_{k+1} is known.
-      def fn(g, ls, x, shared, **extra):
-        stat, ps = rnd.statistic(g, ls[2], x, shared.pshared, d_ratio=d_ratio,
-                                 d_growth=shared.d_growth, **extra)
-        return stat, (*ls[:2], ps)
-      return per_leaf.Round(fn, lambda sums, shared: shared._replace(
-          pshared=rnd.combine(sums, shared.pshared)))
-
     def update(g, ls, x, shared, **extra):
-      late = ()
-      if lagged_d:  # the step's statistics, summed into d_{k+1} next step
-        stat, ls = statistic(g, ls, x, shared)
-        late = (stat,)
       s, x0, ps = ls
+      late = sums_of(g, x, x0, s) if lagged_d else None
+      if lagged_d:  # this step's sums, folded into d at the next step
+        late, s = late
       u, ps = pst.update(g, ps, x, shared.pshared, d_ratio=d_ratio,
                          d_growth=shared.d_growth, **extra)
       step = -dlr * (u.astype(dtype) + weight_decay * x.astype(dtype))
       step = jnp.where(shared.skip | frozen, 0, step).astype(u.dtype)
-      return step, (s, x0, ps, *late)
+      return step, (s, x0, ps, late)
 
     def finish(states, shared):
       new = state._replace(
@@ -347,14 +314,14 @@ def scale_by_prodigy(
                                [ls[0] for ls in states]),
           preconditioner_state=pst.finish([ls[2] for ls in states],
                                           shared.pshared))
+      old = state
       if lagged_d:
         sums = per_leaf.total([ls[3] for ls in states])
-        pending = per_leaf.LateSums(jnp.stack([weight * sums[0], sums[1]]))
+        new = new._replace(pending=per_leaf.LateSums(
+            jnp.stack([weight * sums[0], sums[1]])))
         old = state._replace(pending=per_leaf.LateSums(
             jnp.zeros_like(state.pending.sums)))
-        new = new._replace(pending=pending)
       else:
-        old = state
         new = new._replace(
             k=jnp.where(shared.skip, state.k, optax.safe_increment(state.k)),
             d=shared.d, d_prev=d, d_max=shared.d_max,
@@ -364,14 +331,36 @@ def scale_by_prodigy(
 
     shared = _Shared(d, state.d_max, state.numerator, jnp.zeros([], bool),
                      jnp.ones([], dtype), pst.shared)
-    rounds = () if lagged_d else (per_leaf.Round(statistic, combine),)
     return per_leaf.LeafStages(
         list(zip(jax.tree.leaves(state.s), jax.tree.leaves(state.params0),
-                 pst.leaf_states)),
-        shared, rounds + tuple(precondition(r) for r in pst.rounds), update,
+                 pst.leaf_states)), shared,
+        () if lagged_d else (per_leaf.Round(statistic, combine),), update,
         finish)
 
   return per_leaf.transformation(init_fn, stages)
+
+
+def _statistics(g, x, x0, s, *, slice_p, b3, s_weight, dtype):
+  """One leaf's ``[<g_S, x0_S - x_S>, sum |s|]`` and its new ``s``."""
+  g_s = _slice(g, slice_p).astype(dtype)
+  x_s = _slice(x, slice_p).astype(dtype)
+  dot = jnp.sum(g_s * (x0.astype(dtype) - x_s))
+  s = (b3 * s.astype(dtype) + s_weight * g_s).astype(s.dtype)
+  return jnp.stack([dot, jnp.sum(jnp.abs(s.astype(dtype)))]), s
+
+
+def _next_d(state, numerator, denom, d0, d_coef, growth_rate) -> "_Shared":
+  """``d_{k+1}``, ``d_max``, ``r`` and ``skip`` from the new ``r`` and
+  ``sum |s|``; all unchanged (``skip``) when ``sum |s| == 0``."""
+  skip = denom == 0
+  d = state.d
+  d_hat = d_coef * numerator / jnp.where(skip, 1, denom)
+  d_new = jnp.where(d == d0, jnp.maximum(d, d_hat), d)
+  d_max = jnp.maximum(state.d_max, d_hat)
+  d_new = jnp.minimum(d_max, d_new * growth_rate)
+  return _Shared(jnp.where(skip, d, d_new),
+                 jnp.where(skip, state.d_max, d_max),
+                 jnp.where(skip, state.numerator, numerator), skip)
 
 
 class _Shared(NamedTuple):
@@ -394,9 +383,7 @@ def prodigy_d(opt_state: optax.OptState) -> jax.Array:
   Raises:
     ValueError: if the state holds no ``ScaleByProdigyState``.
   """
-  found = [s for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, ScaleByProdigyState))
-           if isinstance(s, ScaleByProdigyState)]
+  found = validation.find(opt_state, ScaleByProdigyState)
   if not found:
     raise ValueError("no ScaleByProdigyState in this optimizer state")
   return found[0].d

@@ -1,15 +1,10 @@
 """A Flax ``TrainState`` of bf16 params started from float32 weights, in a call.
 
-``TrainState.create(apply_fn=..., params=params, tx=tx)`` calls
-``tx.init(params)``: for bf16 params made from a float32 checkpoint that
-starts the residuals at zero, and the low 16 bits of every pretrained weight
-are lost. ``kahan_train_state`` splits the float32 weights instead::
-
-    params, residuals = kahan_from_float32(params_f32)
-    opt_state         = tx.init(params, residuals)   # kahan's init, exact
-
-so the exact float32 weights survive, and the inner optimizer (Prodigy's
-``x0``, say) starts from them too.
+``TrainState.create`` calls ``tx.init(params)``, which starts the residuals at
+zero: the low 16 bits of every pretrained float32 weight are lost.
+``kahan_train_state`` splits the float32 weights instead (``params, residuals
+= kahan_from_float32(params_f32)``, then ``tx.init(params, residuals)``), so
+the exact weights survive and the inner optimizer starts from them too.
 
 References:
   Flax, ``flax.training.train_state.TrainState``.

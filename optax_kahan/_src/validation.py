@@ -1,19 +1,7 @@
 """Argument, state and tree checks whose errors name the culprit.
 
 Every check raises (or warns) with the name of the argument or the path of the
-leaf at fault, so that a mistake in a 1,000-leaf model is found in one read:
-
-* ``check_beta``, ``check_positive``: Python-number hyperparameters in range.
-* ``warn_low_precision_hyperparams``: ``optax.inject_hyperparams`` casts
-  float hyperparameters to the params' dtype unless ``hyperparam_dtype`` is
-  given; on bfloat16 params 0.999 becomes 1.0 and Adam's second moment stops
-  moving (a run diverges without a word), so this warns.
-* ``check_real``: the transformations of this package implement real-valued
-  math; complex leaves are refused rather than silently truncated.
-* ``check_state``: the state handed to ``update`` is the one ``init`` made.
-* ``tree_mismatch``: the first path at which two trees differ, with the node
-  types there (instead of two full tree dumps).
-
+leaf at fault, so that a mistake in a 1,000-leaf model is found in one read.
 Every warning of the package is an ``OptaxKahanWarning``, so that a test suite
 or a training script can turn them into errors
 (``warnings.simplefilter("error", OptaxKahanWarning)``).
@@ -39,6 +27,12 @@ def warn(message: str, stacklevel: int) -> None:
   """``warnings.warn`` with the package's category (``stacklevel`` counts
   from the caller of ``warn``)."""
   warnings.warn(message, OptaxKahanWarning, stacklevel=stacklevel + 1)
+
+
+def find(tree: Any, node_type: type) -> list[Any]:
+  """The nodes of ``tree`` of type ``node_type``, under any wrapper's state."""
+  is_node = lambda x: isinstance(x, node_type)
+  return [x for x in jax.tree.leaves(tree, is_leaf=is_node) if is_node(x)]
 
 
 def check_beta(name: str, value: Any) -> None:
