@@ -191,8 +191,8 @@ def compact_state(seed: int, steps: int) -> dict:
 
 
 def compact_markdown(per_seed: list[dict], steps: int) -> str:
-  lines = ["| inner state | held-out loss | final d | state bytes | max\|w − "
-           "w_float32 state\| |", "|---|---|---|---|---|"]
+  lines = [r"| inner state | held-out loss | final d | state bytes | max\|w − "
+           r"w_float32 state\| |", "|---|---|---|---|---|"]
   for name in ("float32 state", "bf16 state"):
     stat = lambda key, fmt: (
         f"{statistics.fmean(r[name][key] for r in per_seed):{fmt}} ± "

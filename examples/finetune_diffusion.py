@@ -18,9 +18,9 @@ run about 1.3 minutes; ``--optimizer adafactor|prodigy|prodigy_factored`` swaps
 the polish optimizer. ``--blockwise`` runs the polish through
 ``optax_kahan.blockwise_step``: the UNet as an encoder, a stack of one middle
 block and a decoder, each part updated inside the backward pass (Prodigy with
-``lagged_d=True``); every rule then steps bf16 weights (the float32 rule's
-master weights are state of ``master_weights``), so all of them take their
-gradients from the same program, and the table is the ordinary one's.
+``lagged_d=True``). Every rule steps bf16 weights (the float32 rule's master
+weights are state of ``master_weights``), so all of them take their
+gradients from the same program.
 
 The model and the math
 ----------------------
@@ -95,11 +95,13 @@ Bit-identity notes (what it takes for ``kahan`` to match ``float32`` exactly):
   ``w0``, as the float32 rule's is: ``kahan(tx).init`` only sees the bfloat16
   params and would hand Prodigy (which stores the initial point ``x0``) the
   rounded weights;
-* the optimizer's update runs in a ``lax.cond`` branch (``isolate``): without
-  it XLA fuses ``kahan``'s ``merge(p, lo)`` into the optimizer's reductions
-  (Adafactor's RMS, Prodigy's dot products), which then sum in another order
-  than the float32 rule's and differ by an ulp. AdamW, elementwise, needs no
-  such care.
+* the float32 rule runs the optimizer's per-leaf stages row by row, as
+  ``kahan`` does (``master_weights``), each leaf's ``m + u`` inside its row:
+  XLA then rounds both rules' updates alike (a whole-tree program may round
+  ``optax.adamw``'s bias correction and the final add differently). Where
+  the optimizer sums over the weights (Adafactor's RMS, Prodigy's dot
+  products), XLA may fuse ``kahan``'s ``merge(p, lo)`` into the sum and add
+  in another order: the table then shows an ulp-sized difference.
 
 Outputs (under ``--out``): ``loss_curves.png``, ``samples.png``,
 ``results.json`` (every figure of the table, and the curves).
@@ -489,48 +491,6 @@ def make_optimizer(name: str, lr: float,
   raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 
-def isolate(tx: optax.GradientTransformation
-            ) -> optax.GradientTransformationExtraArgs:
-  """``tx`` compiled as a separate island of every program that calls it.
-
-  Why: XLA fuses the producers of the optimizer's inputs into its kernels:
-  inside ``kahan`` the float32 weights are ``merge(p, lo)`` (integer bit
-  operations), in the float32 rule they are a plain input. Elementwise math
-  gives the same bits either way, but a reduction (Adafactor's RMS of the
-  weights, Prodigy's dot products) is emitted as a different loop once other
-  operations are fused into it, and its float32 sum can round differently by
-  an ulp; the two runs then part ways. ``lax.optimization_barrier`` does not
-  stop this fusion on CPU.
-
-  How: the update runs in a branch of ``lax.cond``. XLA fuses nothing across
-  a branch boundary, so the branch sees its inputs as plain buffers in every
-  rule and compiles to the same arithmetic. The predicate is meaningful (the
-  other branch skips a step whose gradient is not finite, leaving the weights
-  and the optimizer state as they are), so XLA cannot fold it away.
-  """
-  tx = optax.with_extra_args_support(tx)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    finite = jnp.all(jnp.stack(
-        [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(updates)]))
-
-    def step(args):
-      g, s, p = args
-      return tx.update(g, s, p, **extra_args)
-
-    args = (updates, state, params)
-    out = jax.eval_shape(step, args)
-
-    def skip(args):
-      _, s, _ = args
-      zeros = jax.tree.map(lambda o: jnp.zeros(o.shape, o.dtype), out[0])
-      return zeros, jax.tree.map(lambda x, o: x.astype(o.dtype), s, out[1])
-
-    return jax.lax.cond(finite, step, skip, args)
-
-  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
-
-
 class Rule(NamedTuple):
   """An update rule as four pure functions of its training state.
 
@@ -556,12 +516,15 @@ def make_rule(rule: str, tx: optax.GradientTransformation,
   f32 = lambda tree: jax.tree.map(lambda x: x.astype(_F32), tree)
 
   if rule == "float32":
+    wrapped = master_weights(tx)
+
     def update(state, grads):
-      master, opt_state = state
-      updates, opt_state = tx.update(f32(grads), opt_state, master)
-      return optax.apply_updates(master, updates), opt_state
-    return Rule(init=lambda w0: (w0, tx.init(w0)), update=update,
-                forward=lambda s: to_bf16(s[0]), exact=lambda s: s[0])
+      params, opt_state = state
+      updates, opt_state = wrapped.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+    return Rule(init=lambda w0: (to_bf16(w0), wrapped.init(to_bf16(w0), w0)),
+                update=update, forward=lambda s: s[0],
+                exact=lambda s: s[1].master)
 
   if rule in ("nearest", "stochastic"):
     wrapped = tx if rule == "nearest" else ok.stochastic_rounding(tx, key)
@@ -652,29 +615,52 @@ class MasterState(NamedTuple):
 
 
 def master_weights(tx: optax.GradientTransformation
-                   ) -> optax.GradientTransformation:
+                   ) -> optax.GradientTransformationExtraArgs:
   """The ``float32`` rule as a transformation of the bf16 weights it shows.
 
   The state holds the float32 master ``m``; an update steps it with ``tx`` on
   the float32 gradients and returns the delta that lands the bf16 weights on
-  ``hi(m)``. ``--blockwise`` runs the ``float32`` and ``kahan`` rules through
-  the same step on bf16 weights this way, so their gradients come from the
-  same program (one compiled with a float32 forward cast would fuse, and
-  round, differently).
+  ``hi(m)``. It runs ``tx``'s per-leaf stages row by row, as ``ok.kahan``
+  runs them, each leaf's ``m + u`` inside its row (where ``kahan`` forms
+  ``merge(p, lo) + u``): the same program shape, so XLA rounds both alike.
+  The ``float32`` and ``kahan`` rules step bf16 weights this way, so their
+  gradients come from the same program (one compiled with a float32 forward
+  cast would fuse, and round, differently).
   """
+  tx = optax.with_extra_args_support(tx)
+
   def init(params, master):
     return MasterState(master, tx.init(master))
 
-  def update(grads, state, params):
-    f32 = jax.tree.map(lambda g: g.astype(_F32), grads)
-    updates, inner = tx.update(f32, state.inner, state.master)
-    master = optax.apply_updates(state.master, updates)
-    delta = jax.tree.map(
-        lambda p, w: jnp.where(w == p, 0.0, w.astype(_F32) - p.astype(_F32)),
-        params, to_bf16(master))
-    return delta, MasterState(master, inner)
+  def stages(grads, state, params, **extra):
+    grads = jax.tree.map(lambda g: g.astype(_F32), grads)
+    st, reason = ok.stages_of(tx, grads, state.inner, state.master, **extra)
+    if st is None:
+      raise ValueError(f"master_weights: {reason}")
 
-  return optax.GradientTransformation(init, update)
+    def update(g, s, p, shared, **extra):
+      m, s = s
+      u, s = st.update(g.astype(_F32), s, m, shared, **extra)
+      m = m + u
+      hi = to_bf16(m)
+      return jnp.where(hi == p, 0.0, hi.astype(_F32) - p.astype(_F32)), (m, s)
+
+    def round_(rnd):
+      def statistic(g, s, p, shared, **extra):
+        stat, inner = rnd.statistic(g.astype(_F32), s[1], s[0], shared,
+                                    **extra)
+        return stat, (s[0], inner)
+      return ok.Round(statistic, rnd.combine)
+
+    treedef = jax.tree.structure(grads)
+    return ok.LeafStages(
+        list(zip(treedef.flatten_up_to(state.master), st.leaf_states)),
+        st.shared, tuple(round_(r) for r in st.rounds), update,
+        lambda states, shared: MasterState(
+            treedef.unflatten([m for m, _ in states]),
+            st.finish([s for _, s in states], shared)))
+
+  return ok.per_leaf_transformation(init, stages, ordered=True)
 
 
 def make_blockwise_rule(rule: str, tx: optax.GradientTransformation,
@@ -778,8 +764,7 @@ def polish(rule: str, setup: PolishSetup, *,
   function and the held-out set.
   """
   t0 = time.perf_counter()
-  tx = isolate(make_optimizer(setup.optimizer, setup.lr,
-                              lagged_d=setup.blockwise))
+  tx = make_optimizer(setup.optimizer, setup.lr, lagged_d=setup.blockwise)
   batch_key = jax.random.key(setup.seed + 1000)
   # An "rbg" key: the library draws stochastic-rounding bits leaf by leaf, and
   # ~50 threefry draws take ~10 s to compile on CPU (rbg: ~4 s).

@@ -98,10 +98,10 @@ def apply_if_finite(inner: optax.GradientTransformation,
   plain = optax.apply_if_finite(inner, max_consecutive_errors)
 
   def stages(updates, state, params, **extra_args):
-    st, _ = per_leaf.stages_of(inner, updates, state.inner_state, params,
-                               **extra_args)
+    st, reason = per_leaf.stages_of(inner, updates, state.inner_state, params,
+                                    **extra_args)
     if st is None:
-      return None
+      return f"its inner transformation: {reason}"
 
     def statistic(g, s, x, shared, **extra):
       del x, shared, extra

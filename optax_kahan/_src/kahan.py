@@ -418,7 +418,7 @@ def kahan(
           "is staged on the device at once. optax_kahan.chain, "
           "clip_by_global_norm and apply_if_finite keep the per-leaf form",
           stacklevel=5)
-      return None
+      return reason
 
     def statistic(rnd):
       def fn(g, s, w, shared, **extra):

@@ -43,7 +43,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -83,11 +83,11 @@ class LeafStages(NamedTuple):
   inputs: Optional[list[Any]] = None
 
 
-# ``stages(updates, state, params, **extra_args) -> LeafStages``, or None when
-# the transformation has no per-leaf form for these arguments. ``updates`` and
-# ``params`` may be abstract (``jax.ShapeDtypeStruct``); ``params`` may be
-# None for a transformation that needs none.
-StagesFn = Callable[..., Optional[LeafStages]]
+# ``stages(updates, state, params, **extra_args) -> LeafStages``, or a string
+# saying why the transformation has no per-leaf form for these arguments.
+# ``updates`` and ``params`` may be abstract (``jax.ShapeDtypeStruct``);
+# ``params`` may be None for a transformation that needs none.
+StagesFn = Callable[..., Union[LeafStages, str]]
 
 
 class LateSums(NamedTuple):
@@ -111,10 +111,7 @@ class PerLeafUpdate:
 
   def __call__(self, updates, state, params=None, **extra_args):
     st = self.stages(updates, state, params, **extra_args)
-    if st is None:
-      if self.whole_tree is None:
-        raise ValueError("this transformation has no per-leaf form for "
-                         "these arguments")
+    if not isinstance(st, LeafStages):
       return self.whole_tree(updates, state, params, **extra_args)
     grads, treedef = jax.tree.flatten(updates)
     xs = ([None] * len(grads) if params is None
@@ -131,11 +128,11 @@ def transformation(
 
   Args:
     init: the ``init`` function.
-    stages: ``(updates, state, params, **extra_args) -> LeafStages``, or None
-      where there is no per-leaf form (then ``whole_tree`` runs).
+    stages: ``(updates, state, params, **extra_args) -> LeafStages``, or
+      why there is no per-leaf form (a string; then ``whole_tree`` runs).
     ordered: run the rows in order (``for_each_leaf``), one leaf's
       temporaries dead before the next's are made, not as one program.
-    whole_tree: the update where ``stages`` returns None.
+    whole_tree: the update where ``stages`` returns a reason.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` is a
@@ -166,7 +163,7 @@ def stages_of(tx: optax.GradientTransformation, updates: Any, state: Any,
   """
   if isinstance(getattr(tx, "update", None), PerLeafUpdate):
     st = tx.update.stages(updates, state, params, **extra_args)
-    return st, "" if st is not None else "it has no per-leaf form here"
+    return (st, "") if isinstance(st, LeafStages) else (None, st)
   tx = optax.with_extra_args_support(tx)
   try:
     layout = Layout.of(tx)
@@ -460,12 +457,11 @@ def chain(*txs: optax.GradientTransformation
                        f"{len(state)} entries")
     n = jax.tree.structure(updates).num_leaves
     members = []
-    for tx, s in zip(txs, state):
-      st, _ = stages_of(tx, updates, s, params, **extra_args)
+    for j, (tx, s) in enumerate(zip(txs, state)):
+      st, reason = stages_of(tx, updates, s, params, **extra_args)
       if st is None:
-        return None
+        return f"member {j} of the chain: {reason}"
       members.append(st)
-      # The next member sees this one's output: same tree, float updates.
     leaf_states = [tuple(m.leaf_states[i] for m in members) for i in range(n)]
 
     def through(g, s, x, shared, upto, **extra):
