@@ -68,24 +68,19 @@ def train_rules(loss_fn: Callable, params32: dict, batches, eval_batch,
 
   Every rule takes its gradients from one jitted function of the bf16 weights
   the forward pass sees, so that the rules differ only in their update. The
-  Kahan run starts from the exact float32 weights (bf16 + residuals); the
-  other bf16 rules from their bf16 rounding.
+  float32 rule steps its master weights leaf by leaf, as ``kahan`` steps its
+  inner optimizer (the example's ``master_weights``: XLA then rounds both
+  alike). The Kahan run starts from the exact float32 weights (bf16 +
+  residuals); the other bf16 rules from their bf16 rounding.
   """
   grad_fn = jax.jit(jax.grad(loss_fn))
   steps = len(jax.tree.leaves(batches)[0])
   batch = lambda i: jax.tree.map(lambda a: a[i], batches)
+  params32 = jax.device_put(params32, jax.devices()[0])  # committed
+  master = example.load().master_weights(tx)
+  final = {}
 
-  @jax.jit
-  def master_step(w, s, g):
-    u, s = tx.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), s, w)
-    return optax.apply_updates(w, u), s
-
-  w, s = params32, tx.init(params32)
-  for i in range(steps):
-    w, s = master_step(w, s, grad_fn(_hi(w), batch(i)))
-  final = {"float32": w}
-
-  rules = {"nearest": tx,
+  rules = {"float32": master, "nearest": tx,
            "stochastic": ok.stochastic_rounding(tx, jax.random.key(seed)),
            "kahan": ok.kahan(tx)}
   for rule, wrapped in rules.items():
@@ -93,14 +88,18 @@ def train_rules(loss_fn: Callable, params32: dict, batches, eval_batch,
         lambda u_s: (optax.apply_updates(w, u_s[0]), u_s[1]))(
             wrapped.update(g, s, w)))
     w = _hi(params32)
-    s = wrapped.init(w)
-    if rule == "kahan":  # the residuals carry the float32 initial weights
+    if rule == "float32":
+      s = wrapped.init(w, params32)
+    elif rule == "kahan":  # the residuals carry the float32 initial weights
       w, residuals = ok.kahan_from_float32(params32)
-      s = ok.kahan_replace_residuals(s, residuals)
+      s = wrapped.init(w, residuals)
+    else:
+      s = wrapped.init(w)
     for i in range(steps):
       w, s = step(w, s, grad_fn(w, batch(i)))
     final[rule] = (ok.kahan_to_float32(w, ok.kahan_residuals(s))
-                   if rule == "kahan" else w)
+                   if rule == "kahan" else s.master if rule == "float32"
+                   else w)
   out = {}
   for rule in RULES:
     w = final[rule]

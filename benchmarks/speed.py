@@ -101,8 +101,9 @@ def make_step(cfg: Config, shapes: model_shapes.Shapes):
   """Returns (jitted step, initial carry)."""
   tx = cfg.make()
   keys = jax.random.split(jax.random.key(0), len(shapes))
-  params = {k: (0.02 * jax.random.normal(key, s)).astype(cfg.param_dtype)
-            for key, (k, s) in zip(keys, shapes.items())}
+  params = jax.device_put(  # committed, as kahan wants: one compilation
+      {k: (0.02 * jax.random.normal(key, s)).astype(cfg.param_dtype)
+       for key, (k, s) in zip(keys, shapes.items())}, jax.devices()[0])
   grads = {k: (1e-3 * jnp.ones(s)).astype(jnp.bfloat16)
            for k, s in shapes.items()}
   state = jax.jit(tx.init)(params)  # (optax.contrib.prodigy aliases x0)
