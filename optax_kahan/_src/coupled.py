@@ -1,10 +1,9 @@
 """optax's transformations that couple the leaves by one sum, with the contract.
 
-``optax.clip_by_global_norm`` and ``optax.apply_if_finite`` read every leaf's
-gradient for one norm or one finiteness test, so ``kahan`` runs them (and
-any chain holding them) on the whole tree, staging every residual at once on
-a GPU. These have optax's state and results, as ``optax_kahan.per_leaf``
-stages, so a ``chain`` of them keeps its per-leaf form::
+optax's read every leaf's gradient for one norm or finiteness test, so
+``kahan`` runs them (and chains holding them) on the whole tree. These have
+optax's state and results as ``optax_kahan.per_leaf`` stages, so a ``chain``
+of them keeps its per-leaf form::
 
   clip_by_global_norm:  sum_i ||g_i||^2  ->  norm  ->  g_i * min(1, c / norm)
   apply_if_finite:      sum_i #nonfinite(g_i)  ->  finite  ->  inner or zero

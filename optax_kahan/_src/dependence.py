@@ -58,10 +58,6 @@ def _open(jaxpr: Any) -> Any:
   return jaxpr.jaxpr if isinstance(jaxpr, jex.core.ClosedJaxpr) else jaxpr
 
 
-def _union(labels) -> Labels:
-  return frozenset().union(*labels)
-
-
 def reads(jaxpr: Any, in_labels: list[Labels]) -> list[Labels]:
   """The labels each output of ``jaxpr`` reads, from its inputs' labels.
 
@@ -85,13 +81,13 @@ def _equation(eqn: Any, ins: list[Labels]) -> list[Labels]:
     raise Unproven(f"the primitive {name!r} has effects")
   params = eqn.params
   if not any(_has_jaxpr(v) for v in params.values()):
-    return [_union(ins)] * len(eqn.outvars)
+    return [frozenset().union(*ins)] * len(eqn.outvars)
   if name in _CALLS and _CALLS[name] in params:
     return reads(params[_CALLS[name]], ins)
   if name == "cond":
     index, ops = ins[0], ins[1:]
     branches = [reads(b, ops) for b in params["branches"]]
-    return [_union(outs) | index for outs in zip(*branches)]
+    return [frozenset().union(*outs) | index for outs in zip(*branches)]
   if name == "scan":
     return _scan(eqn, ins)
   if name == "while":
@@ -116,7 +112,7 @@ def _while(eqn: Any, ins: list[Labels]) -> list[Labels]:
   nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
   cconsts, bconsts, carry = ins[:nc], ins[nc:nc + nb], ins[nc + nb:]
   while True:
-    pred = _union(reads(eqn.params["cond_jaxpr"], cconsts + carry))
+    pred = frozenset().union(*reads(eqn.params["cond_jaxpr"], cconsts + carry))
     outs = reads(eqn.params["body_jaxpr"], bconsts + carry)
     new = [c | o | pred for c, o in zip(carry, outs)]
     if new == carry:

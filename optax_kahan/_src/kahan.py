@@ -17,10 +17,8 @@ device holds 2 bytes per weight. Between steps the residuals live in host memory
 XLA program. The step runs leaf by leaf (``optax_kahan.per_leaf``), each
 residual copied in for its own leaf's rows: XLA would otherwise copy them all
 in at the start, and offloading would save no device memory at the peak.
-
-Leaves: bfloat16 leaves get a residual; float32 and float64 leaves need none
-and are updated normally (their residual slot is ``None``); any other dtype
-(float16, integers, ...) raises a ValueError naming the leaf's path.
+bfloat16 leaves get a residual; float32 and float64 leaves need none (their
+slot is ``None``); other dtypes raise a ValueError naming the leaf's path.
 
 References:
   Kahan, "Further remarks on reducing truncation errors", CACM 1965.
@@ -310,37 +308,27 @@ def kahan(
   (``kahan_from_float32(w32)``), which the inner state starts from too.
 
   Leaf by leaf: the step runs ``inner``'s per-leaf stages
-  (``optax_kahan.per_leaf``) in rows of ``for_each_leaf``, each leaf's merge,
-  update and split inside its own rows. A host residual is copied in once
-  the leaf before the last has gone back, and sent back inside its own row,
-  which the next leaf waits for: on a GPU one residual goes out while the
-  next comes in, about two leaves' worth on the device at once (on the CPU,
-  one leaf's temporaries). Prodigy's sums take a pass of their own, so its
-  residuals come in twice. The results are ``inner`` applied to each leaf
-  alone (see ``optax_kahan.per_leaf``). An ``inner`` with no per-leaf form
-  (``optax.clip_by_global_norm`` or ``optax.apply_if_finite`` inside an
-  ``optax.chain``) runs on the whole tree, with a warning: on a GPU every
-  residual is then staged at once. ``optax_kahan.chain``,
+  (``optax_kahan.per_leaf``) in rows, each leaf's merge, update and split
+  inside its own rows. A host residual is copied in once the leaf before the
+  last has gone back, and sent back inside its own row, which the next leaf
+  waits for: on a GPU one residual goes out while the next comes in (on the
+  CPU, one leaf's temporaries at a time). Prodigy's sums take a pass of
+  their own, so its residuals come in twice. An ``inner`` with no per-leaf
+  form (``optax.clip_by_global_norm`` in an ``optax.chain``) runs on the
+  whole tree, with a warning; ``optax_kahan.chain`` and its
   ``clip_by_global_norm`` and ``apply_if_finite`` keep the per-leaf form.
 
-  Donation: params and state can be donated to the jitted step (XLA does
-  not alias the residuals' buffers across memory kinds, which costs nothing
-  but the aliasing). Each residual leaves the step in the memory it came in:
-  one restored into device memory under ``offload=True`` stays there, with a
-  warning that says how to move it.
-
-  Committed params: the offloaded residuals are committed arrays, and a
-  jitted step whose arguments mix committed and uncommitted ones compiles
-  again on its second call. ``init`` commits the rest of the state where the
-  params live, and warns when they are uncommitted:
-  ``params = jax.device_put(params, jax.devices()[0])`` before ``init``.
-
-  Wrappers: ``kahan`` goes outermost, or under wrappers that keep the
-  updates as they are (``optax.MultiSteps``, ``masked``, ``partition``,
-  ``inject_hyperparams``). ``apply_if_finite`` goes inside,
-  ``kahan(apply_if_finite(tx, n))``: around ``kahan`` it would pair the
-  float32 deltas with zeros in the gradients' dtype, which ``lax.cond``
-  refuses for bf16 gradients.
+  Donation: params and state can be donated; each residual leaves the step
+  in the memory it came in (one restored into device memory under
+  ``offload=True`` stays there, with a warning that says how to move it).
+  Committed params: the residuals are committed arrays, and a jitted step
+  whose arguments mix committed and uncommitted ones compiles again on its
+  second call; ``init`` commits the rest of the state where the params live
+  and warns when they are uncommitted (``jax.device_put(params,
+  jax.devices()[0])`` before ``init``). Wrappers: ``kahan`` goes outermost,
+  or under ``optax.MultiSteps``, ``masked``, ``partition`` or
+  ``inject_hyperparams``; ``apply_if_finite`` goes inside (around ``kahan``
+  it would pair the float32 deltas with zeros of bf16 gradients).
 
   Args:
     inner: any optax transformation (extra args such as ``value`` are passed
@@ -383,88 +371,96 @@ def kahan(
       state = KahanState(residuals, inner.init(exact))
     return _commit_with(state, params) if offload else state
 
-  def checked(updates, state, params):
-    # The residuals one per gradient leaf, after the checks, and the function
-    # that makes the residual tree of the new ones (each back in the memory
-    # its old one came from).
-    if params is None:
-      raise ValueError("kahan(...).update needs params: call "
-                       "tx.update(grads, state, params)")
-    validation.check_state("kahan(...)", state, KahanState)
-    _check_memory(params, _check_residuals(params, state.residuals), offload)
-    full = leaves_like(updates, state.residuals, "residuals")  # None grads too
-    grads = jax.tree.structure(updates, is_leaf=is_none).flatten_up_to(updates)
-    lows = [lo for g, lo in zip(grads, full) if g is not None]
-
-    def residuals(new_lows):
-      it = iter(to_host(new) if lo is not None and on_host(lo) else new
-                for lo, new in zip(lows, new_lows))
-      return jax.tree.structure(state.residuals, is_leaf=is_none).unflatten(
-          [lo if g is None else next(it) for g, lo in zip(grads, full)])
-
-    return lows, residuals
-
-  def stages(updates, state, params, **extra_args):
-    lows, residuals = checked(updates, state, params)
-    exact_like = jax.tree.map(
-        lambda p: jax.ShapeDtypeStruct(
-            p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
-    inner_st, reason = per_leaf.stages_of(
-        inner, upcast(updates), state.inner_state, exact_like, **extra_args)
-    if inner_st is None:
-      validation.warn(
-          f"kahan: the inner transformation has no per-leaf form ({reason}); "
-          "its step runs on the whole tree, so on a GPU every host residual "
-          "is staged on the device at once. optax_kahan.chain, "
-          "clip_by_global_norm and apply_if_finite keep the per-leaf form",
-          stacklevel=5)
-      return reason
-
-    def statistic(rnd):
-      def fn(g, s, w, shared, **extra):
-        return rnd.statistic(upcast(g), s, _exact(w.p, w.lo, rounding),
-                             shared, **extra)
-      return per_leaf.Round(fn, rnd.combine)
-
-    def update(g, s, w, shared, **extra):
-      # The new residual goes back to host memory inside the leaf's row, so
-      # that the next leaf's rows wait for its copy (on a GPU).
-      x = _exact(w.p, w.lo, rounding)
-      u, s = inner_st.update(upcast(g), s, x, shared, **extra)
-      hi, new_lo = _add(w.p, w.lo, x, u, rounding)
-      if w.lo is None:
-        return u, (None, s)
-      return (landing_delta(w.p, hi),
-              (to_host(new_lo) if w.host else new_lo, s))
-
-    def finish(states, shared):
-      return KahanState(residuals([lo for lo, _ in states]),
-                        inner_st.finish([s for _, s in states], shared))
-
-    return per_leaf.LeafStages(
-        inner_st.leaf_states, inner_st.shared,
-        tuple(statistic(r) for r in inner_st.rounds), update, finish,
-        inputs=[_Weight(p, lo, lo is not None and on_host(lo)) for p, lo in
-                zip(jax.tree.structure(updates).flatten_up_to(params), lows)])
-
-  def whole_tree(updates, state, params, **extra_args):
-    # merge, inner.update on the whole tree, split.
-    lows, residuals = checked(updates, state, params)
-    treedef = jax.tree.structure(updates)
-    ps = treedef.flatten_up_to(params)
-    x32 = [_exact(p, lo, rounding) for p, lo in zip(ps, lows)]
-    u, inner_state = inner.update(upcast(updates), state.inner_state,
-                                  treedef.unflatten(x32), **extra_args)
-    deltas, new_lows = [], []
-    for p, lo, x, u in zip(ps, lows, x32, treedef.flatten_up_to(u)):
-      hi, new_lo = _add(p, lo, x, u, rounding)
-      deltas.append(u if lo is None else landing_delta(p, hi))
-      new_lows.append(new_lo)
-    return (treedef.unflatten(deltas),
-            KahanState(residuals(new_lows), inner_state))
-
+  stages = functools.partial(_stages, inner, rounding, offload)
+  whole_tree = functools.partial(_whole_tree, inner, rounding, offload)
   return per_leaf.transformation(init_fn, stages, ordered=True,
                                  whole_tree=whole_tree)
+
+
+def _checked(updates: Any, state: KahanState, params: Any, offload: bool):
+  """The residuals one per gradient leaf, after the checks, and the function
+  that makes the residual tree of the new ones (each back in the memory its
+  old one came from)."""
+  if params is None:
+    raise ValueError("kahan(...).update needs params: call "
+                     "tx.update(grads, state, params)")
+  validation.check_state("kahan(...)", state, KahanState)
+  _check_memory(params, _check_residuals(params, state.residuals), offload)
+  full = leaves_like(updates, state.residuals, "residuals")  # None grads too
+  grads = jax.tree.structure(updates, is_leaf=is_none).flatten_up_to(updates)
+  lows = [lo for g, lo in zip(grads, full) if g is not None]
+
+  def residuals(new_lows):
+    it = iter(to_host(new) if lo is not None and on_host(lo) else new
+              for lo, new in zip(lows, new_lows))
+    return jax.tree.structure(state.residuals, is_leaf=is_none).unflatten(
+        [lo if g is None else next(it) for g, lo in zip(grads, full)])
+
+  return lows, residuals
+
+
+def _stages(inner, rounding, offload, updates, state, params, **extra_args):
+  """``kahan``'s stages: ``inner``'s, each row merging its leaf's weight and
+  residual and the last one splitting the sum; or, for an ``inner`` with no
+  per-leaf form, the reason (after a warning)."""
+  lows, residuals = _checked(updates, state, params, offload)
+  exact_like = jax.tree.map(lambda p: jax.ShapeDtypeStruct(
+      p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+  inner_st, reason = per_leaf.stages_of(
+      inner, upcast(updates), state.inner_state, exact_like, **extra_args)
+  if inner_st is None:
+    validation.warn(
+        f"kahan: the inner transformation has no per-leaf form ({reason}); "
+        "its step runs on the whole tree, so on a GPU every host residual "
+        "is staged on the device at once. optax_kahan.chain, "
+        "clip_by_global_norm and apply_if_finite keep the per-leaf form",
+        stacklevel=5)
+    return reason
+
+  def statistic(rnd):
+    def fn(g, s, w, shared, **extra):
+      return rnd.statistic(upcast(g), s, _exact(w.p, w.lo, rounding), shared,
+                           **extra)
+    return per_leaf.Round(fn, rnd.combine)
+
+  def update(g, s, w, shared, **extra):
+    # The new residual goes back to host memory inside the leaf's row, so
+    # that the next leaf's rows wait for its copy (on a GPU).
+    x = _exact(w.p, w.lo, rounding)
+    u, s = inner_st.update(upcast(g), s, x, shared, **extra)
+    hi, new_lo = _add(w.p, w.lo, x, u, rounding)
+    if w.lo is None:
+      return u, (None, s)
+    return landing_delta(w.p, hi), (to_host(new_lo) if w.host else new_lo, s)
+
+  def finish(states, shared):
+    return KahanState(residuals([lo for lo, _ in states]),
+                      inner_st.finish([s for _, s in states], shared))
+
+  return per_leaf.LeafStages(
+      inner_st.leaf_states, inner_st.shared,
+      tuple(statistic(r) for r in inner_st.rounds), update, finish,
+      inputs=[_Weight(p, lo, lo is not None and on_host(lo)) for p, lo in
+              zip(jax.tree.structure(updates).flatten_up_to(params), lows)])
+
+
+def _whole_tree(inner, rounding, offload, updates, state, params,
+                **extra_args):
+  """``kahan``'s step for an ``inner`` with no per-leaf form: merge every
+  leaf, ``inner.update`` on the whole tree, split every leaf."""
+  lows, residuals = _checked(updates, state, params, offload)
+  treedef = jax.tree.structure(updates)
+  ps = treedef.flatten_up_to(params)
+  x32 = [_exact(p, lo, rounding) for p, lo in zip(ps, lows)]
+  u, inner_state = inner.update(upcast(updates), state.inner_state,
+                                treedef.unflatten(x32), **extra_args)
+  deltas, new_lows = [], []
+  for p, lo, x, u in zip(ps, lows, x32, treedef.flatten_up_to(u)):
+    hi, new_lo = _add(p, lo, x, u, rounding)
+    deltas.append(u if lo is None else landing_delta(p, hi))
+    new_lows.append(new_lo)
+  return (treedef.unflatten(deltas),
+          KahanState(residuals(new_lows), inner_state))
 
 
 def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:

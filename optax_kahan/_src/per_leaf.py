@@ -30,11 +30,9 @@ when lowered for a GPU (or any non-CPU backend), as ``lax.cond`` islands on
 the CPU. Both forms evaluate the same per-leaf functions, and ``jax.grad``
 and ``jax.vmap`` go through both.
 
-Bit for bit: a per-leaf step is the transformation applied to each leaf
-alone. XLA rewrites a division by a scalar into a multiplication by its
-reciprocal only where the scalar has one user, so ``optax.adam``'s bias
-correction rounds differently in a one-leaf row than in a whole-tree program
-(within an ulp). This package's bias corrections multiply by the reciprocal.
+A per-leaf step is the transformation applied to each leaf alone, bit for
+bit; XLA rounds a division by a scalar with one user (``optax.adam``'s bias
+correction in a one-leaf row) within an ulp of a whole-tree program's.
 
 References:
   PyTorch optimizers' ``foreach=False`` loops, one tensor at a time.
@@ -224,20 +222,18 @@ class Layout(NamedTuple):
     return self.treedef.unflatten(parts)
 
   def labels(self, state: Any, params_def: Any) -> Optional[list[int]]:
-    """For each array of ``state``: its leaf, or -1 if shared; None if the
-    state does not have this layout."""
+    """For each array of ``state``: its leaf, or -1 if shared (it is in
+    every leaf's cut); None if the state does not have this layout."""
+    flat, treedef = jax.tree.flatten(state)
     try:
-      parts = self.treedef.flatten_up_to(state)
-      out = []
-      for e, part in zip(self.entries, parts):
-        if _is_slot(e) and part is not None:
-          for i, sub in enumerate(params_def.flatten_up_to(part)):
-            out += [i] * len(jax.tree.leaves(sub))
-        else:
-          out += [-1] * len(jax.tree.leaves(part))
-      return out
+      cuts = self.split(treedef.unflatten(range(len(flat))), params_def)
     except (ValueError, TypeError):
       return None
+    owner = {}
+    for i, cut in enumerate(cuts):
+      for j in jax.tree.leaves(cut):
+        owner[j] = -1 if j in owner else i
+    return [owner.get(j, -1) for j in range(len(flat))]
 
 
 def adapt(tx: optax.GradientTransformationExtraArgs, updates: Any, state: Any,

@@ -160,9 +160,8 @@ def scale_by_prodigy(
   """Prodigy's step size ``d`` around a preconditioner; returns the final step.
 
   The returned update is ``-d_k lr_k bc (P_k + weight_decay * x)`` (decoupled
-  weight decay), with ``P_k`` the preconditioner's output; see the module
-  docstring for the equations. For coupled (L2) weight decay, put
-  ``optax.add_decayed_weights`` before this transformation.
+  decay), ``P_k`` the preconditioner's output (equations: module docstring);
+  for coupled (L2) decay, put ``optax.add_decayed_weights`` before it.
 
   Args:
     preconditioner: e.g. ``scale_by_second_moment(b1, b2, eps)``,
@@ -195,14 +194,10 @@ def scale_by_prodigy(
       ulp. A bfloat16 ``s`` is rounded to nearest at each step.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` with a per-leaf form: one
-    round (the sums ``<g_S, x0_S - x_S>`` and ``sum |s|``, none with
-    ``lagged_d``), then the preconditioner and the step. Extra args are
-    passed on to the preconditioner.
-
-  Raises:
-    ValueError: at the first update, when the preconditioner has no
-      per-leaf form.
+    An ``optax.GradientTransformationExtraArgs`` with a per-leaf form (one
+    round for the sums, none with ``lagged_d``); extra args go on to the
+    preconditioner. Its first update raises a ValueError for a
+    preconditioner with no per-leaf form.
 
   Example:
     >>> tx = scale_by_prodigy(scale_by_second_moment(0.9, 0.999, 1e-8))
@@ -223,6 +218,9 @@ def scale_by_prodigy(
         f"slice_p must be a Python int >= 1 (it sets the state's shapes), got "
         f"{slice_p!r}; with optax.inject_hyperparams pass "
         "static_args=('slice_p',)")
+  hp = _Hyper(learning_rate, b3, weight_decay, d0, d_coef, growth_rate,
+              slice_p, safeguard_warmup, bias_correction, lagged_d,
+              state_dtype)
   preconditioner = optax.with_extra_args_support(preconditioner)
 
   def init_fn(params):
@@ -245,99 +243,119 @@ def scale_by_prodigy(
         pending=(per_leaf.LateSums(jnp.zeros([2], dtype)) if lagged_d
                  else None))
 
-  def next_d(state, numerator, denom):
-    return _next_d(state, numerator, denom, d0, d_coef, growth_rate)
+  return per_leaf.transformation(
+      init_fn, functools.partial(_stages, hp, preconditioner))
 
-  def stages(updates, state, params, **extra_args):
-    if params is None:
-      raise ValueError("scale_by_prodigy needs params: "
-                       "tx.update(grads, state, params)")
-    validation.check_state("scale_by_prodigy", state, ScaleByProdigyState)
-    _warn_if_narrow(params, d0 * (1.0 if callable(learning_rate)
-                                   else learning_rate))
-    if lagged_d:  # the previous step's sums, folded into d
-      sums = state.pending.sums
-      new = next_d(state, b3 * state.numerator + sums[0], sums[1])
-      state = state._replace(
-          k=jnp.where(new.skip, state.k, optax.safe_increment(state.k)),
-          d=new.d, d_prev=state.d, d_max=new.d_max, numerator=new.numerator)
-    dtype = state.d.dtype
-    lr = jnp.asarray(learning_rate(state.count) if callable(learning_rate)
-                     else learning_rate, dtype)
-    d = state.d
-    bc = 1.0
-    if bias_correction is not None:
-      b1, b2 = (jnp.asarray(b, dtype) for b in bias_correction)
-      kf = (state.k + 1).astype(dtype)
-      bc = jnp.sqrt(1 - b2**kf) / (1 - b1**kf)
-    dlr = d * lr * bc
-    weight = (d / d0) * dlr
-    sums_of = functools.partial(
-        _statistics, slice_p=slice_p, b3=jnp.asarray(b3, dtype), dtype=dtype,
-        s_weight=(d / d0) * d if safeguard_warmup else weight)
-    d_ratio = state.d_prev / d
-    frozen = lr == 0  # prodigyopt skips the whole step, moments included.
-    pst, reason = per_leaf.stages_of(
-        preconditioner, updates, state.preconditioner_state, params,
-        d_ratio=d_ratio, d_growth=jnp.ones([], dtype), **extra_args)
-    if pst is None or pst.rounds:
-      raise ValueError(
-          "scale_by_prodigy: the preconditioner "
-          + (f"has no per-leaf form ({reason})" if pst is None else
-             "sums over the leaves itself") + "; build it from "
-          "transformations that act leaf by leaf, and clip the gradients "
-          "by their global norm before Prodigy (optax_kahan.chain)")
 
-    def statistic(g, ls, x, shared, **extra):
-      del shared, extra
-      stat, s = sums_of(g, x, ls[1], ls[0])
-      return stat, (s, *ls[1:])
+class _Hyper(NamedTuple):
+  """``scale_by_prodigy``'s arguments."""
+  learning_rate: optax.ScalarOrSchedule
+  b3: float
+  weight_decay: float
+  d0: float
+  d_coef: float
+  growth_rate: float
+  slice_p: int
+  safeguard_warmup: bool
+  bias_correction: Optional[tuple[float, float]]
+  lagged_d: bool
+  state_dtype: Optional[jnp.dtype]
 
-    def combine(sums, shared):
-      new = next_d(state, b3 * state.numerator + weight * sums[0], sums[1])
-      return new._replace(d_growth=new.d / d, pshared=shared.pshared)
 
-    def update(g, ls, x, shared, **extra):
-      s, x0, ps = ls
-      late = sums_of(g, x, x0, s) if lagged_d else None
-      if lagged_d:  # this step's sums, folded into d at the next step
-        late, s = late
-      u, ps = pst.update(g, ps, x, shared.pshared, d_ratio=d_ratio,
-                         d_growth=shared.d_growth, **extra)
-      step = -dlr * (u.astype(dtype) + weight_decay * x.astype(dtype))
-      step = jnp.where(shared.skip | frozen, 0, step).astype(u.dtype)
-      return step, (s, x0, ps, late)
+def _stages(hp: _Hyper, preconditioner: optax.GradientTransformationExtraArgs,
+            updates: Any, state: ScaleByProdigyState, params: Any,
+            **extra_args: Any) -> per_leaf.LeafStages:
+  """Prodigy's step as per-leaf stages: one round (the sums), then the
+  preconditioner and the step; with ``lagged_d``, no round, the sums made
+  beside the update and folded in at the next step."""
+  if params is None:
+    raise ValueError("scale_by_prodigy needs params: "
+                     "tx.update(grads, state, params)")
+  validation.check_state("scale_by_prodigy", state, ScaleByProdigyState)
+  lr = hp.learning_rate
+  _warn_if_narrow(params, hp.d0 * (1.0 if callable(lr) else lr))
+  next_d = functools.partial(_next_d, d0=hp.d0, d_coef=hp.d_coef,
+                             growth_rate=hp.growth_rate)
+  if hp.lagged_d:  # the previous step's sums, folded into d
+    sums = state.pending.sums
+    new = next_d(state, hp.b3 * state.numerator + sums[0], sums[1])
+    state = state._replace(
+        k=jnp.where(new.skip, state.k, optax.safe_increment(state.k)),
+        d=new.d, d_prev=state.d, d_max=new.d_max, numerator=new.numerator)
+  dtype = state.d.dtype
+  lr = jnp.asarray(lr(state.count) if callable(lr) else lr, dtype)
+  d = state.d
+  bc = 1.0
+  if hp.bias_correction is not None:
+    b1, b2 = (jnp.asarray(b, dtype) for b in hp.bias_correction)
+    kf = (state.k + 1).astype(dtype)
+    bc = jnp.sqrt(1 - b2**kf) / (1 - b1**kf)
+  dlr = d * lr * bc
+  weight = (d / hp.d0) * dlr
+  sums_of = functools.partial(
+      _statistics, slice_p=hp.slice_p, b3=jnp.asarray(hp.b3, dtype),
+      dtype=dtype, s_weight=(d / hp.d0) * d if hp.safeguard_warmup else weight)
+  d_ratio = state.d_prev / d
+  frozen = lr == 0  # prodigyopt skips the whole step, moments included.
+  pst, reason = per_leaf.stages_of(
+      preconditioner, updates, state.preconditioner_state, params,
+      d_ratio=d_ratio, d_growth=jnp.ones([], dtype), **extra_args)
+  if pst is None or pst.rounds:
+    raise ValueError(
+        "scale_by_prodigy: the preconditioner "
+        + (f"has no per-leaf form ({reason})" if pst is None else
+           "sums over the leaves itself") + "; build it from "
+        "transformations that act leaf by leaf, and clip the gradients "
+        "by their global norm before Prodigy (optax_kahan.chain)")
 
-    def finish(states, shared):
-      new = state._replace(
-          s=jax.tree.unflatten(jax.tree.structure(state.s),
-                               [ls[0] for ls in states]),
-          preconditioner_state=pst.finish([ls[2] for ls in states],
-                                          shared.pshared))
-      old = state
-      if lagged_d:
-        sums = per_leaf.total([ls[3] for ls in states])
-        new = new._replace(pending=per_leaf.LateSums(
-            jnp.stack([weight * sums[0], sums[1]])))
-        old = state._replace(pending=per_leaf.LateSums(
-            jnp.zeros_like(state.pending.sums)))
-      else:
-        new = new._replace(
-            k=jnp.where(shared.skip, state.k, optax.safe_increment(state.k)),
-            d=shared.d, d_prev=d, d_max=shared.d_max,
-            numerator=shared.numerator)
-      new = jax.tree.map(lambda n, o: jnp.where(frozen, o, n), new, old)
-      return new._replace(count=optax.safe_increment(state.count))
+  def statistic(g, ls, x, shared, **extra):
+    del shared, extra
+    stat, s = sums_of(g, x, ls[1], ls[0])
+    return stat, (s, *ls[1:])
 
-    shared = _Shared(d, state.d_max, state.numerator, jnp.zeros([], bool),
-                     jnp.ones([], dtype), pst.shared)
-    return per_leaf.LeafStages(
-        list(zip(jax.tree.leaves(state.s), jax.tree.leaves(state.params0),
-                 pst.leaf_states)), shared,
-        () if lagged_d else (per_leaf.Round(statistic, combine),), update,
-        finish)
+  def combine(sums, shared):
+    new = next_d(state, hp.b3 * state.numerator + weight * sums[0], sums[1])
+    return new._replace(d_growth=new.d / d, pshared=shared.pshared)
 
-  return per_leaf.transformation(init_fn, stages)
+  def update(g, ls, x, shared, **extra):
+    s, x0, ps = ls
+    late = None
+    if hp.lagged_d:  # this step's sums, folded into d at the next step
+      late, s = sums_of(g, x, x0, s)
+    u, ps = pst.update(g, ps, x, shared.pshared, d_ratio=d_ratio,
+                       d_growth=shared.d_growth, **extra)
+    step = -dlr * (u.astype(dtype) + hp.weight_decay * x.astype(dtype))
+    step = jnp.where(shared.skip | frozen, 0, step).astype(u.dtype)
+    return step, (s, x0, ps, late)
+
+  def finish(states, shared):
+    new = state._replace(
+        s=jax.tree.unflatten(jax.tree.structure(state.s),
+                             [ls[0] for ls in states]),
+        preconditioner_state=pst.finish([ls[2] for ls in states],
+                                        shared.pshared))
+    old = state
+    if hp.lagged_d:
+      sums = per_leaf.total([ls[3] for ls in states])
+      new = new._replace(pending=per_leaf.LateSums(
+          jnp.stack([weight * sums[0], sums[1]])))
+      old = state._replace(pending=per_leaf.LateSums(
+          jnp.zeros_like(state.pending.sums)))
+    else:
+      new = new._replace(
+          k=jnp.where(shared.skip, state.k, optax.safe_increment(state.k)),
+          d=shared.d, d_prev=d, d_max=shared.d_max,
+          numerator=shared.numerator)
+    new = jax.tree.map(lambda n, o: jnp.where(frozen, o, n), new, old)
+    return new._replace(count=optax.safe_increment(state.count))
+
+  shared = _Shared(d, state.d_max, state.numerator, jnp.zeros([], bool),
+                   jnp.ones([], dtype), pst.shared)
+  return per_leaf.LeafStages(
+      list(zip(jax.tree.leaves(state.s), jax.tree.leaves(state.params0),
+               pst.leaf_states)), shared,
+      () if hp.lagged_d else (per_leaf.Round(statistic, combine),), update,
+      finish)
 
 
 def _statistics(g, x, x0, s, *, slice_p, b3, s_weight, dtype):
@@ -349,7 +367,7 @@ def _statistics(g, x, x0, s, *, slice_p, b3, s_weight, dtype):
   return jnp.stack([dot, jnp.sum(jnp.abs(s.astype(dtype)))]), s
 
 
-def _next_d(state, numerator, denom, d0, d_coef, growth_rate) -> "_Shared":
+def _next_d(state, numerator, denom, *, d0, d_coef, growth_rate) -> "_Shared":
   """``d_{k+1}``, ``d_max``, ``r`` and ``skip`` from the new ``r`` and
   ``sum |s|``; all unchanged (``skip``) when ``sum |s| == 0``."""
   skip = denom == 0
