@@ -22,6 +22,8 @@ compiled program:
   copy's source from its producer to its ``copy-done``;
 * overlap: the share of host-to-device copies that start before the
   previous copy's last reader, i.e. while the previous leaf is being updated;
+* both ways: the share of device-to-host copies during which a
+  host-to-device copy starts (both PCIe directions busy at once);
 * an estimated step time: the bytes its kernels read and write over the HBM
   bandwidth, plus the host copies' bytes over the PCIe bandwidth (constants
   below). ``cost_analysis()`` needs a device, so the bytes are summed from
@@ -202,7 +204,7 @@ def schedule_report(hlo: str) -> dict[str, Any]:
   """Residual copies, their staging and overlap, from the scheduled HLO."""
   entry = _entry(hlo)
   where = {n: i for i, (n, *_) in enumerate(entry)}
-  events, h2d = [], []
+  events, h2d, d2h = [], [], []
   for i, (name, typ, op, operands, _) in enumerate(entry):
     if op != "copy-start":
       continue
@@ -212,6 +214,7 @@ def schedule_report(hlo: str) -> dict[str, Any]:
     size = _nbytes(dest)
     if "S(5)" in dest:  # device -> host: the source waits on the device
       events += [(where.get(operands[0], i), size), (done + 1, -size)]
+      d2h.append((i, done))
     else:
       end = _last_reader(entry, done, entry[done][0])
       h2d.append((i, end))
@@ -221,9 +224,11 @@ def schedule_report(hlo: str) -> dict[str, Any]:
     live += size
     peak = max(peak, live)
   overlapped = sum(1 for a, b in zip(h2d, h2d[1:]) if b[0] < a[1])
+  both_ways = sum(1 for a, b in d2h if any(a < s < b for s, _ in h2d))
   return {"staging_peak": peak, "h2d_copies": len(h2d),
-          "d2h_copies": len(events) // 2 - len(h2d),
+          "d2h_copies": len(d2h),
           "overlap": overlapped / max(1, len(h2d) - 1),
+          "both_ways": both_ways / max(1, len(d2h)),
           "conditionals": len(re.findall(r"\sconditional\(", hlo))}
 
 
@@ -472,19 +477,20 @@ def to_markdown(r: dict) -> str:
            f"{r['jax']}). {r['shapes']}.", "",
            "| step | device peak GB | B/param | temp B/param | host GB | "
            "conditionals | H2D / D2H copies | staging B/param (largest "
-           "leaves) | copies overlapped | est. ms |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "leaves) | copies overlapped | both ways | est. ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, v in r["rows"].items():
     staged = (f"{v['staging_B_per_param']:.3f} "
               f"({v['staging_in_largest_leaves']:.1f})"
               if v["h2d_copies"] else "-")
     overlap = f"{100 * v['overlap']:.0f}%" if v["h2d_copies"] > 1 else "-"
+    both = (f"{100 * v['both_ways']:.0f}%" if v["d2h_copies"] else "-")
     lines.append(
         f"| {name} | {v['peak_bytes'] / 1e9:.2f} | "
         f"{v['peak_B_per_param']:.2f} | {v['temp_B_per_param']:.3f} | "
         f"{v['host_bytes'] / 1e9:.2f} | {v['conditionals']} | "
         f"{v['h2d_copies']} / {v['d2h_copies']} | {staged} | {overlap} | "
-        f"{v['estimated_ms']:.1f} |")
+        f"{both} | {v['estimated_ms']:.1f} |")
   lines.append("")
   for name, saving in r.get("offload_saving", {}).items():
     lines.append(f"- offload saves {saving:.2f} B/param at the device peak "

@@ -92,9 +92,26 @@ ENTRY %main (p: u16[8], q: u16[8]) -> u16[8] {
 }
 """
   r = gpu_compile.schedule_report(hlo)
-  assert r["h2d_copies"] == 2 and r["d2h_copies"] == 0
+  assert r["h2d_copies"] == 2 and r["d2h_copies"] == 0 and r["both_ways"] == 0
   assert r["staging_peak"] == 32  # both 16-byte copies live at %f
   assert r["overlap"] == 1.0  # the second starts before the first's reader
+
+
+def test_schedule_report_sees_both_copy_directions_at_once():
+  hlo = """
+ENTRY %main (p: u16[8], q: u16[8]) -> u16[8] {
+  %p = u16[8]{0:S(5)} parameter(0)
+  %q = u16[8]{0} parameter(1)
+  %out = (u16[8]{0:S(5)}, u16[8]{0}, u32[]) copy-start(%q)
+  %in = (u16[8]{0}, u16[8]{0:S(5)}, u32[]) copy-start(%p)
+  %outd = u16[8]{0:S(5)} copy-done(%out)
+  %ind = u16[8]{0} copy-done(%in)
+  ROOT %f = u16[8]{0} fusion(%ind), kind=kLoop
+}
+"""
+  r = gpu_compile.schedule_report(hlo)
+  assert r["h2d_copies"] == 1 and r["d2h_copies"] == 1
+  assert r["both_ways"] == 1.0
 
 
 @pytest.mark.slow

@@ -414,7 +414,7 @@ def _stages(inner, rounding, offload, updates, state, params, **extra_args):
         "its step runs on the whole tree, so on a GPU every host residual "
         "is staged on the device at once. optax_kahan.chain, "
         "clip_by_global_norm and apply_if_finite keep the per-leaf form",
-        stacklevel=5)
+        stacklevel=3)
     return reason
 
   def statistic(rnd):
@@ -483,7 +483,7 @@ def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
         "sharding=x.sharding) of a fresh tx.init(params)), or move them once: "
         "opt_state = ok.kahan_replace_residuals(opt_state, jax.device_put("
         f"residuals, jax.memory.Space.{'Host' if offload else 'Device'}))",
-        stacklevel=4)
+        stacklevel=5)
 
 
 def _commit_with(state: Any, params: Any) -> Any:
