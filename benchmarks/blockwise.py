@@ -161,8 +161,8 @@ def peak(dump: str, stack_shapes: set[tuple[int, ...]],
       ``-live-range.txt`` sibling gives each value's live range in the
       (flattened) schedule.
     stack_shapes: shapes of the stacks' leaves (with the block axis).
-    block_shapes: shapes of one block's, the embedding's and the head's
-      leaves; all shapes with their leading 1s dropped.
+    block_shapes: shapes of one block's leaves, with their leading 1s
+      dropped.
     grad_dtype: the gradients' HLO dtype (``bf16``, ``f32``).
 
   Returns:
@@ -170,9 +170,9 @@ def peak(dump: str, stack_shapes: set[tuple[int, ...]],
     of those, ``stack_shaped_bytes``, the ones holding a value of
     ``grad_dtype`` in a stack leaf's shape (the weights and the state are
     arguments, not temporaries: these are whole stacks' gradients), and
-    ``block_shaped_bytes``, in a block's (or the embedding's or head's) leaf
-    shape: that block's gradients, but also its weights sliced out of the
-    stack and its updated weights, so an upper bound on the gradients.
+    ``block_shaped_bytes``, in a block's leaf shape: that block's gradients,
+    but also its weights sliced out of the stack and its updated weights, so
+    an upper bound on the gradients.
   """
   values, temp = [], False
   with open(dump) as f:
@@ -232,9 +232,7 @@ def compile_row(name: str, step: str, cfg, target: str,
   block = max(flux_model.num_params(s) // bw.num_blocks(s)
               for s in abstract.stacks)
   stack_shapes = {_dims(x.shape) for x in jax.tree.leaves(abstract.stacks)}
-  block_shapes = ({_dims(x.shape[1:]) for x in jax.tree.leaves(abstract.stacks)}
-                  | {_dims(x.shape) for x in jax.tree.leaves(
-                      (abstract.embed, abstract.head))})
+  block_shapes = {_dims(x.shape[1:]) for x in jax.tree.leaves(abstract.stacks)}
   fn = _steps(model, tx)[step]
   leaf = max(math.prod(x.shape[1:]) for x in jax.tree.leaves(abstract.stacks))
   row = {"params": n, "largest_block_params": block,
