@@ -55,8 +55,10 @@ def test_finetune_diffusion_smoke(tmp_path):
 
 def test_finetune_diffusion_blockwise_smoke(tmp_path):
   # The polish through ok.blockwise_step (encoder, a stack of one middle
-  # block, decoder): Kahan still follows the float32 master bit for bit, and
-  # the weights are those of the ordinary step.
+  # block, decoder): Kahan still follows the float32 master bit for bit; the
+  # nearest rule's weights are the ordinary step's, and the float32 and Kahan
+  # rules' within float32 rounding (each block's rows compile inside the
+  # backward loop, where XLA may round a few operations differently).
   example = example_module.load()
   argv = ["--pretrain-steps", "30", "--steps", "12", "--width", "8",
           "--batch-size", "16", "--eval-every", "6", "--num-samples", "4",
@@ -67,5 +69,7 @@ def test_finetune_diffusion_blockwise_smoke(tmp_path):
   assert table["kahan"]["bits_differ_from_float32"] == 0
   assert table["nearest"]["max_abs_diff_to_float32"] > 0.0
   assert table["kahan"]["host_bytes_per_param"] == 2.0
-  for rule in ("float32", "nearest", "kahan"):
-    assert table[rule]["heldout_loss"] == ordinary[rule]["heldout_loss"], rule
+  assert table["nearest"]["heldout_loss"] == ordinary["nearest"]["heldout_loss"]
+  for rule in ("float32", "kahan"):
+    assert table[rule]["heldout_loss"] == pytest.approx(
+        ordinary[rule]["heldout_loss"], rel=1e-5), rule
