@@ -82,3 +82,70 @@ def test_chain_state_is_optax_chains():
   v, _ = ref.update(PARAMS, ref.init(PARAMS), PARAMS)
   for k in u:
     np.testing.assert_allclose(u[k], v[k], rtol=1e-5)
+
+
+def _optax_own():
+  return {
+      "chain(clip, adamw)": optax.chain(optax.clip_by_global_norm(1.0),
+                                        optax.adamw(1e-2)),
+      "chain(adam, clip)": optax.chain(optax.adam(1e-2),
+                                       optax.clip_by_global_norm(0.1)),
+      "apply_if_finite(chain(clip, adam))": optax.apply_if_finite(
+          optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), 2),
+      "clip": optax.clip_by_global_norm(0.5)}
+
+
+@pytest.mark.parametrize("name", list(_optax_own()))
+def test_optax_own_keep_a_per_leaf_form_with_optax_state_and_results(name):
+  ref = _optax_own()[name]
+  g = _grads(0, 10.0)
+  state = ref.init(PARAMS)
+  st, reason = ok.stages_of(ref, g, state, PARAMS)
+  assert st is not None, reason
+  assert len(st.rounds) == (2 if "apply_if_finite" in name else 1)
+  tx = ok.leafwise(ref)
+  for i in range(2):
+    g = _grads(i, 10.0)
+    u, s = jax.jit(tx.update)(g, state, PARAMS)
+    v, state = ref.update(g, state, PARAMS)
+    assert jax.tree.structure(s) == jax.tree.structure(state)
+    # the global norm is summed leaf by leaf (an ulp); adam's bias
+    # correction in a one-leaf row (an ulp, see per_leaf)
+    for a, b in zip(jax.tree.leaves((u, s)), jax.tree.leaves((v, state))):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                                 atol=1e-9)
+    state = s
+
+
+def test_only_optax_own_are_recognised():
+  chain = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  g, state = _grads(0, 10.0), chain.init(PARAMS)
+  # optax.chain's update with another init, and another clipping update
+  # with optax's init, are not optax's chain or clip: the proof refuses.
+  odd_chain = optax.GradientTransformation(lambda p: chain.init(p),
+                                           chain.update)
+
+  def clip_update(updates, state, params=None):
+    del params
+    norm = optax.tree.norm(updates)
+    return jax.tree.map(lambda u: u / jnp.maximum(norm, 1.0), updates), state
+
+  odd_clip = optax.GradientTransformation(optax.init_empty_state, clip_update)
+  for tx, s in ((odd_chain, state), (odd_clip, optax.EmptyState())):
+    st, reason = ok.stages_of(tx, g, s, PARAMS)
+    assert st is None and "reads leaf" in reason, reason
+
+
+def test_kahan_of_optax_chain_is_kahan_of_this_packages_chain():
+  params = jax.device_put(jax.tree.map(lambda p: p.astype(jnp.bfloat16),
+                                       PARAMS), jax.devices()[0])
+  g = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _grads(0, 10.0))
+  steps = [ok.kahan(make(1.0), offload=False) for make in (
+      lambda c: optax.chain(optax.clip_by_global_norm(c), optax.adamw(1e-2)),
+      lambda c: ok.chain(ok.clip_by_global_norm(c), optax.adamw(1e-2)))]
+  # no whole-tree warning (pytest makes it an error); the same step
+  (u, s), (v, t) = (jax.jit(tx.update)(g, tx.init(params), params)
+                    for tx in steps)
+  for a, b in zip(jax.tree.leaves((u, s)), jax.tree.leaves((v, t)),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -159,27 +159,22 @@ def prodigy_factored(*args: Any, **kwargs: Any
                      ) -> optax.GradientTransformationExtraArgs:
   """Prodigy at about 0.36 B/param of state: b1 = 0, factored v, slice_p = 11, clip 1.
 
-  ``prodigy(factored=True)`` with other defaults: ``b1=0``, ``slice_p=11``,
-  ``update_clip=1``; its signature is ``prodigy``'s, with those defaults
-  (so ``optax.inject_hyperparams`` and ``help`` see every argument). The
-  low-memory configuration of the prodigyopt PRs #20 and #22 (about 95% less
-  state than ``prodigy()``): no first moment, Adafactor's row/column second
-  moment, the d statistics on every 11th entry, and each leaf's update
-  clipped to RMS 1 (Adafactor's clip, which tames the spikes of a factored
-  ``v``).
+  ``prodigy(factored=True)`` with the defaults of the prodigyopt PRs #20 and
+  #22 (about 95% less state than ``prodigy()``): ``b1=0`` (no first moment),
+  Adafactor's row/column second moment, ``slice_p=11`` (the d statistics on
+  every 11th entry) and ``update_clip=1`` (each leaf's update clipped to RMS
+  1, Adafactor's clip, which tames the spikes of a factored ``v``). Its
+  signature is ``prodigy``'s with these defaults (``optax.inject_hyperparams``
+  and ``help`` see every argument); ``state_dtype=jnp.bfloat16`` halves the
+  state inside ``kahan`` (about 0.37 B/param instead of 0.73).
 
-  Use it inside ``kahan``: on plain bf16 params the first steps, of size
-  ``d0 = 1e-6`` times the learning rate, are far below half a bf16 ulp, so
-  the weights do not move, ``<g, x0 - x>`` stays 0 and ``d`` never leaves
-  ``d0`` (the run stalls without an error).
+  Use it inside ``kahan``: on plain bf16 params the first steps (``d0 =
+  1e-6`` times the learning rate) are below half a bf16 ulp, the weights do
+  not move and ``d`` never leaves ``d0`` (the run stalls without an error).
 
   Args:
-    *args: ``prodigy``'s arguments, in its order (see there).
-    **kwargs: ``prodigy``'s arguments by name. The defaults that differ: ``b1=0.0`` (no first-moment buffer),
-      ``slice_p=11`` (the d statistics on 1/11 of the entries, as
-      prodigyopt PR #22 suggests), ``update_clip=1.0`` (Adafactor's clip).
-      ``state_dtype=jnp.bfloat16`` halves the state inside ``kahan``: about
-      0.37 B/param instead of 0.73.
+    *args: ``prodigy``'s arguments, in its order.
+    **kwargs: ``prodigy``'s arguments by name.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a per-leaf form.

@@ -35,16 +35,12 @@ one block's. With ``kahan(...)`` a stack's residuals are one host array per
 leaf; a block's slice comes to the device for its update and goes back after.
 
 Which transformations: ``tx`` is applied to each group of weights (the
-embedding, each block, the head) with its own state. For one that acts leaf
-by leaf (``optax.adamw``, ``optax.adafactor``, ``kahan`` of them, ...) that
-is the ordinary step on the blocks' weights as separate leaves; the step
-checks it with ``tx``'s per-leaf form (``optax_kahan.per_leaf``) and refuses
-a ``tx`` without one, or one that sums a statistic over all leaves before
-its update (a global norm, Prodigy's ``d``) unless it reduces late: Prodigy
-with ``lagged_d=True`` steps each block with the ``d`` known at the start of
-the step and keeps its leaves' sums in a ``LateSums``; the step adds the
-groups' sums up, and they are folded into ``d`` at the next step (a one-step
-lag, as in fused-backward Prodigy variants).
+embedding, each block, the head) with its own state, so it must act leaf by
+leaf (its per-leaf form, ``optax_kahan.per_leaf``, with no round before the
+update) or reduce late: Prodigy with ``lagged_d=True`` steps each block with
+the ``d`` known at the start of the step; the step adds the groups'
+``LateSums`` up, folded into ``d`` at the next step (a one-step lag, as in
+fused-backward Prodigy variants).
 
 References:
   sd-scripts (kohya-ss) ``--fused_backward_pass`` and PR #2159;
@@ -253,12 +249,8 @@ def _check_per_group(tx: optax.GradientTransformation, grads: Any,
 
 
 def _sum_late(state: BlockwiseState) -> BlockwiseState:
-  """Gives every ``LateSums`` of the state the sums over all groups.
-
-  Each group's update left the sums over its own leaves in its
-  ``LateSums``; the next step folds them in, so every copy gets the total
-  (the blocks' copies one per block).
-  """
+  """Gives every ``LateSums`` of the state (each group's, over its own
+  leaves; the blocks' one per block) the sums over all groups."""
   groups = [state.embed, *state.stacks, state.head]
   found = [validation.find(g, per_leaf.LateSums) for g in groups]
   totals = []
@@ -285,9 +277,8 @@ def _backward_stack(tx, block, stack, stack_state, inputs, consts, ct):
   """The reverse loop over one stack: each block's vjp, then its update.
 
   Returns the carry's cotangent, the sum of the blocks' cotangents of
-  ``consts`` (summed from zero in this order, as JAX's transpose of
-  ``lax.scan`` does, so that ``blockwise_loss``'s gradient is matched bit for
-  bit), and the new stack and its state.
+  ``consts`` (from zero in this order, as JAX's transpose of ``lax.scan``:
+  ``blockwise_loss``'s gradient bit for bit), and the new stack and state.
   """
   n = num_blocks(stack)
   take = lambda tree, i: jax.tree.map(
@@ -329,10 +320,10 @@ def blockwise_step(
     theta     = optax.apply_updates(theta, u)
 
   as the module docstring describes: the head's update after the forward
-  pass, each block's inside the reverse loop, the embedding's last. For a
-  leaf-by-leaf ``tx`` that is the arithmetic of the ordinary step
-  (``jax.value_and_grad`` of ``blockwise_loss``, then ``tx.update``) on the
-  blocks' weights as separate leaves. Prodigy needs ``lagged_d=True``.
+  pass, each block's inside the reverse loop, the embedding's last: the
+  arithmetic of the ordinary step (``jax.value_and_grad`` of
+  ``blockwise_loss``, then ``tx.update``) on the blocks' weights as separate
+  leaves.
 
   Jit it with the params and state donated (``donate_argnums=(0, 1)``), so
   the stacks are updated in place. The memory claims are the GPU program's
@@ -351,8 +342,7 @@ def blockwise_step(
 
   Raises:
     TypeError, ValueError: for params or state of the wrong structure, or a
-      ``tx`` that is not provably the same optimizer per block (no per-leaf
-      form, or a sum over all leaves before the update).
+      ``tx`` not provably the same optimizer per block.
 
   Example:
     >>> import optax

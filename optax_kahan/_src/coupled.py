@@ -1,12 +1,14 @@
 """optax's transformations that couple the leaves by one sum, with the contract.
 
-optax's read every leaf's gradient for one norm or finiteness test, so
-``kahan`` runs them (and chains holding them) on the whole tree. These have
-optax's state and results as ``optax_kahan.per_leaf`` stages, so a ``chain``
-of them keeps its per-leaf form::
+optax's read every leaf's gradient for one norm or finiteness test; these
+have optax's state and results as ``optax_kahan.per_leaf`` stages::
 
   clip_by_global_norm:  sum_i ||g_i||^2  ->  norm  ->  g_i * min(1, c / norm)
   apply_if_finite:      sum_i #nonfinite(g_i)  ->  finite  ->  inner or zero
+
+``optax_form`` recognises optax's own (and ``optax.chain`` s holding them),
+so ``kahan(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(...)))``
+keeps a per-leaf form.
 
 References:
   optax, ``clip_by_global_norm`` and ``apply_if_finite``.
@@ -15,6 +17,8 @@ References:
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -76,10 +80,9 @@ def apply_if_finite(inner: optax.GradientTransformation,
 
   A step whose gradients hold a NaN or an Inf changes nothing (zero updates,
   ``inner``'s state kept) unless it is the ``max_consecutive_errors + 1``-th
-  in a row. The finiteness test is one round (each leaf's count of
-  non-finite entries, summed); the inner update is computed and selected
-  (``jnp.where``) where optax has a ``lax.cond`` over the whole tree. The
-  state is optax's ``ApplyIfFiniteState``.
+  in a row. One round counts the non-finite entries; the inner update is
+  selected (``jnp.where``) where optax has a ``lax.cond`` over the whole tree.
+  The state is optax's ``ApplyIfFiniteState``.
 
   Args:
     inner: the transformation to protect; it needs a per-leaf form for this
@@ -142,3 +145,51 @@ def apply_if_finite(inner: optax.GradientTransformation,
 
   return per_leaf.transformation(plain.init, stages, whole_tree=plain.update)
 
+
+
+# -- optax's own, recognised ---------------------------------------------------
+def _code(fn: Any) -> Any:
+  return getattr(fn, "__code__", None)
+
+
+def _free(fn: Callable[..., Any]) -> dict[str, Any]:
+  return dict(zip(fn.__code__.co_freevars,
+                  (c.cell_contents for c in fn.__closure__ or ())))
+
+
+_EMPTY = optax.GradientTransformation(optax.init_empty_state,
+                                      lambda u, s, p=None: (u, s))
+_EXTRA_ARGS = _code(optax.with_extra_args_support(_EMPTY).update)
+_CHAIN_INIT = _code(optax.chain(_EMPTY).init)
+_CHAIN_UPDATE = _code(optax.chain(_EMPTY).update)
+_CLIP = _code(optax.clip_by_global_norm(1.0).update)
+_IF_FINITE = _code(optax.apply_if_finite(_EMPTY, 1).update)
+
+
+def optax_form(tx: optax.GradientTransformation
+               ) -> Optional[optax.GradientTransformationExtraArgs]:
+  """This package's form of optax's ``chain``, ``clip_by_global_norm`` or
+  ``apply_if_finite`` (or ``with_extra_args_support`` of one), or None.
+
+  Recognised by the update function's code object (the installed optax's
+  own) and rebuilt from its free variables (the members, the norm, the inner
+  transformation), with the same state; any other layout is not recognised
+  (no guess). The results are optax's up to the summation order of the
+  global norm (an ulp).
+  """
+  code = _code(getattr(tx, "update", None))
+  free = _free(tx.update) if code is not None else {}
+  if code is _EXTRA_ARGS and set(free) == {"tx"}:
+    return optax_form(free["tx"])
+  if code is _CLIP and set(free) == {"max_norm"}:
+    return clip_by_global_norm(free["max_norm"])
+  if code is _IF_FINITE and set(free) == {"inner", "max_consecutive_errors"}:
+    return apply_if_finite(free["inner"], free["max_consecutive_errors"])
+  if (code is _CHAIN_UPDATE and set(free) == {"update_fns"}
+      and _code(tx.init) is _CHAIN_INIT
+      and set(_free(tx.init)) == {"init_fns"}):
+    inits, updates = _free(tx.init)["init_fns"], free["update_fns"]
+    if len(inits) == len(updates):
+      return per_leaf.chain(*map(optax.GradientTransformationExtraArgs,
+                                 inits, updates))
+  return None

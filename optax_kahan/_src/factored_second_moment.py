@@ -111,30 +111,21 @@ def scale_by_factored_second_moment(
   validation.check_beta("b1", b1)
   if not callable(b2):
     validation.check_beta("b2", b2)
-  if isinstance(eps, (int, float)) and eps < 0:
-    raise ValueError(f"eps must be >= 0, got {eps}")
-  if isinstance(eps2, (int, float)) and eps2 < 0:
-    raise ValueError(f"eps2 must be >= 0, got {eps2}")
+  validation.check_positive("eps", eps, allow_zero=True)
+  validation.check_positive("eps2", eps2, allow_zero=True)
 
   def factored(p) -> bool:
     return p.ndim >= 2 and min(p.shape[-2:]) >= min_dim_size_to_factor
 
-  def unused(p):
-    return jnp.zeros((1,), p.dtype)
-
-  # zeros_like of the means: the state takes the update's own sharding.
-  def init_row(p):
+  def init_mean(p, axis):  # zeros_like of the mean: the update's sharding
     if not factored(p):
-      return unused(p)
-    return jnp.zeros_like(jnp.mean(p, axis=-1), dtype=p.dtype)
-
-  def init_col(p):
-    if not factored(p):
-      return unused(p)
-    return jnp.zeros_like(jnp.mean(p, axis=-2), dtype=p.dtype)
+      return jnp.zeros((1,), p.dtype)
+    return jnp.zeros_like(jnp.mean(p, axis=axis), dtype=p.dtype)
 
   def init_v(p):
-    return unused(p) if factored(p) else jnp.zeros_like(p, dtype=state_dtype)
+    if factored(p):
+      return jnp.zeros((1,), p.dtype)
+    return jnp.zeros_like(p, dtype=state_dtype)
 
   def init_fn(params):
     if validation.is_abstract(params):
@@ -144,8 +135,10 @@ def scale_by_factored_second_moment(
     mu = (optax.tree.zeros_like(params, dtype=state_dtype) if use_mu
           else None)
     return ScaleByFactoredSecondMomentState(
-        jnp.zeros([], jnp.int32), mu, jax.tree.map(init_row, params),
-        jax.tree.map(init_col, params), jax.tree.map(init_v, params))
+        jnp.zeros([], jnp.int32), mu,
+        jax.tree.map(lambda p: init_mean(p, -1), params),
+        jax.tree.map(lambda p: init_mean(p, -2), params),
+        jax.tree.map(init_v, params))
 
   def update_fn(updates, state, params=None, *, d_ratio=1.0, d_growth=1.0,
                 **extra_args):

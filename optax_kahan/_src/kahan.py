@@ -12,13 +12,9 @@ float32 value ``x = merge(p, lo)`` survives between steps::
 
 The sequence of ``x`` is bit for bit that of float32 master weights, while the
 device holds 2 bytes per weight. Between steps the residuals live in host memory
-(memory kind ``pinned_host``); inside a jitted step they move with
-``jax.device_put(..., jax.memory.Space.Device / Host)``, so the step stays one
-XLA program. The step runs leaf by leaf (``optax_kahan.per_leaf``), each
-residual copied in for its own leaf's rows: XLA would otherwise copy them all
-in at the start, and offloading would save no device memory at the peak.
-bfloat16 leaves get a residual; float32 and float64 leaves need none (their
-slot is ``None``); other dtypes raise a ValueError naming the leaf's path.
+(``pinned_host``); inside a jitted step they move with ``jax.device_put``, each
+in its own leaf's rows (``optax_kahan.per_leaf``), so the step stays one XLA
+program and holds a leaf or two of residuals at a time.
 
 References:
   Kahan, "Further remarks on reducing truncation errors", CACM 1965.
@@ -307,16 +303,11 @@ def kahan(
   ``init(params, residuals)`` from exact float32 weights
   (``kahan_from_float32(w32)``), which the inner state starts from too.
 
-  Leaf by leaf: the step runs ``inner``'s per-leaf stages
-  (``optax_kahan.per_leaf``) in rows, each leaf's merge, update and split
-  inside its own rows. A host residual is copied in once the leaf before the
-  last has gone back, and sent back inside its own row, which the next leaf
-  waits for: on a GPU one residual goes out while the next comes in (on the
-  CPU, one leaf's temporaries at a time). Prodigy's sums take a pass of
+  Leaf by leaf: ``inner``'s per-leaf stages (``optax_kahan.per_leaf``) run in
+  rows, each leaf's merge, update and split inside its own; on a GPU one
+  residual goes out while the next comes in. Prodigy's sums take a pass of
   their own, so its residuals come in twice. An ``inner`` with no per-leaf
-  form (``optax.clip_by_global_norm`` in an ``optax.chain``) runs on the
-  whole tree, with a warning; ``optax_kahan.chain`` and its
-  ``clip_by_global_norm`` and ``apply_if_finite`` keep the per-leaf form.
+  form runs on the whole tree, with a warning.
 
   Donation: params and state can be donated; each residual leaves the step
   in the memory it came in (one restored into device memory under
@@ -412,8 +403,8 @@ def _stages(inner, rounding, offload, updates, state, params, **extra_args):
     validation.warn(
         f"kahan: the inner transformation has no per-leaf form ({reason}); "
         "its step runs on the whole tree, so on a GPU every host residual "
-        "is staged on the device at once. optax_kahan.chain, "
-        "clip_by_global_norm and apply_if_finite keep the per-leaf form",
+        "is staged on the device at once. Declare its stages with "
+        "optax_kahan.per_leaf_transformation to keep the per-leaf form",
         stacklevel=3)
     return reason
 
@@ -464,11 +455,9 @@ def _whole_tree(inner, rounding, offload, updates, state, params,
 
 
 def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
-  """Warns, naming the leaf and the fix, for residuals outside the memory
-  that ``offload`` says (a checkpoint restored with targets that carry no
-  memory kind). They stay there: a step whose output lands in another memory
-  than a donated input aborts inside the runtime. ``lows``: one per params
-  leaf (from ``_check_residuals``)."""
+  """Warns, naming the leaf and the fix, for residuals (``lows``, one per
+  params leaf) outside the memory ``offload`` says. They stay there: a step
+  whose output lands in another memory than a donated input aborts."""
   misplaced = [path for path, lo in zip(paths(params), lows)
                if lo is not None and not isinstance(lo, optax.MaskedNode)
                and on_host(lo) != offload]
@@ -487,14 +476,10 @@ def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
 
 
 def _commit_with(state: Any, params: Any) -> Any:
-  """Commits ``state``'s uncommitted arrays where the params live.
-
-  Offloaded residuals are committed arrays; a jitted step given committed
-  and uncommitted arguments returns committed outputs, so its second call
-  lowers differently and compiles again (minutes for a large model). With
-  committed params the whole state is committed; uncommitted params warn,
-  since only the caller can commit them.
-  """
+  """Commits ``state``'s uncommitted arrays where the (committed) params live,
+  or warns that the params are not: offloaded residuals are committed, and a
+  jitted step of mixed arguments returns committed outputs, so its second
+  call compiles again (minutes for a large model)."""
   arrays = [x for x in jax.tree.leaves(params)
             if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
   if not arrays:

@@ -8,31 +8,29 @@ Every step this package needs is three stages::
 
 A transformation that declares them (``LeafStages``: the state cut per leaf,
 zero or more ``Round`` s of stages 1 and 2, and stage 3) can run leaf by
-leaf: ``kahan`` merges each leaf's bf16 weight and residual inside the leaf's
-rows and splits it there, so a GPU step holds a leaf or two of residuals and
+leaf: ``kahan`` merges and splits each leaf's bf16 weight and residual inside
+the leaf's rows, so a GPU step holds a leaf or two of residuals and
 temporaries instead of all of them. A ``chain`` of such transformations is
-again one (its rounds are the members', each recomputing the earlier members'
-per-leaf updates). Reduce late: a transformation may instead fold a step's
-sums in at the start of the next (Prodigy's ``lagged_d``), keeping them in a
-``LateSums`` node of its state; who steps groups of leaves apart
-(``blockwise_step``) adds the groups' ``LateSums`` up.
+one (its rounds are the members', each recomputing the earlier members'
+per-leaf updates). Reduce late: a transformation may fold a step's sums in
+at the start of the next (Prodigy's ``lagged_d``), keeping them in a
+``LateSums``, which ``blockwise_step`` adds up over groups of leaves.
 
-Who implements it: every transformation of this package; optax's
-transformations through one adapter (``adapt``), once
-``dependence.per_leaf_proof`` has proved from the traced update that no
-leaf's output reads another leaf (``stages_of`` does both). A transformation
-that neither declares stages nor passes the proof has no per-leaf form, and
-``kahan`` runs it on the whole tree, with a warning. ``optax_kahan.coupled``
-gives ``clip_by_global_norm`` and ``apply_if_finite`` the contract.
+Who implements it (``stages_of``): every transformation of this package;
+optax's through one adapter (``adapt``), once ``dependence.per_leaf_proof``
+has proved from the traced update that no leaf's output reads another
+leaf's inputs; optax's own ``chain``, ``clip_by_global_norm`` and
+``apply_if_finite`` through this package's (``coupled.optax_form``). Any
+other has no per-leaf form, and ``kahan`` runs it on the whole tree, with a
+warning.
 
 One ordering primitive runs rows, ``for_each_leaf``: by data dependencies
 when lowered for a GPU (or any non-CPU backend), as ``lax.cond`` islands on
-the CPU. Both forms evaluate the same per-leaf functions, and ``jax.grad``
-and ``jax.vmap`` go through both.
-
-A per-leaf step is the transformation applied to each leaf alone, bit for
-bit; XLA rounds a division by a scalar with one user (``optax.adam``'s bias
-correction in a one-leaf row) within an ulp of a whole-tree program's.
+the CPU. Both evaluate the same per-leaf functions, and ``jax.grad`` and
+``jax.vmap`` go through both. A per-leaf step is the transformation applied
+to each leaf alone, bit for bit (XLA rounds a division by a scalar with one
+user, ``optax.adam``'s bias correction in a one-leaf row, within an ulp of a
+whole-tree program's).
 
 References:
   PyTorch optimizers' ``foreach=False`` loops, one tensor at a time.
@@ -134,8 +132,8 @@ def transformation(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` is a
-    ``PerLeafUpdate`` (optax's wrappers build other update functions: use
-    ``chain``, not ``optax.chain``, to keep the contract).
+    ``PerLeafUpdate`` (an optax wrapper around it builds another update
+    function, which ``stages_of`` then has to prove or recognise).
   """
   return optax.GradientTransformationExtraArgs(
       init, PerLeafUpdate(stages, ordered=ordered, whole_tree=whole_tree))
@@ -146,8 +144,8 @@ def stages_of(tx: optax.GradientTransformation, updates: Any, state: Any,
               ) -> tuple[Optional[LeafStages], str]:
   """``tx``'s stages for these arguments, or None and the reason.
 
-  Declared stages, or else ``adapt``'s if ``dependence.per_leaf_proof``
-  proves from the traced update that ``tx`` acts leaf by leaf.
+  Declared stages, else ``adapt``'s if ``dependence.per_leaf_proof`` proves
+  that ``tx`` acts leaf by leaf, else those of ``coupled.optax_form(tx)``.
 
   Args:
     tx: a gradient transformation.
@@ -172,9 +170,13 @@ def stages_of(tx: optax.GradientTransformation, updates: Any, state: Any,
     return None, "its state does not match the updates' tree"
   reason = dependence.per_leaf_proof(tx.update, updates, state, params,
                                      labels, extra_args)
-  if reason:
+  if not reason:
+    return adapt(tx, updates, state, layout), ""
+  from optax_kahan._src import coupled  # pylint: disable=g-import-not-at-top
+  known = coupled.optax_form(tx)  # (coupled builds on this module)
+  if known is None:
     return None, reason
-  return adapt(tx, updates, state, layout), ""
+  return stages_of(known, updates, state, params, **extra_args)
 
 
 # -- the adapter: a transformation that acts leaf by leaf ---------------------
@@ -286,23 +288,34 @@ def run(st: LeafStages, grads: list[Any], xs: list[Any], *, ordered: bool,
         **extra_args: Any) -> tuple[list[Any], Any]:
   """Runs ``st`` on the leaves (``grads``, and ``xs`` or ``st.inputs``):
   each round, its statistics summed, then the update; rows by
-  ``for_each_leaf`` if ``ordered``. Returns ``([u_i], new_state)``."""
+  ``for_each_leaf`` if ``ordered``. Returns ``([u_i], new_state)``.
+
+  Each pass runs its rows in the direction opposite to the pass before
+  (results unchanged: sums in leaf order): on 24 equal leaves XLA:GPU then
+  packs a two-pass step's staged residuals in two leaves' slots, not three."""
   rows = for_each_leaf if ordered else _unordered
+
+  def one_pass(fn, columns, after, backwards):
+    if not backwards:
+      return rows(fn, *columns, after=after)
+    return rows(fn, *(c[::-1] for c in columns), after=after)[::-1]
+
   xs = xs if st.inputs is None else st.inputs
   states = list(st.leaf_states)
   shared = st.shared
   after = None  # each pass after the first waits for the sums before it
-  for rnd in st.rounds:
+  for i, rnd in enumerate(st.rounds):
 
     def statistic(g, s, x, rnd=rnd, shared=shared):
       return None, rnd.statistic(g, s, x, shared, **extra_args)
 
-    outs = [chained for _, chained in rows(statistic, grads, states, xs,
-                                           after=after)]
+    outs = [chained for _, chained in one_pass(
+        statistic, (grads, states, xs), after, backwards=i % 2 == 1)]
     states = [s for _, s in outs]
     shared = after = rnd.combine(total([stat for stat, _ in outs]), shared)
-  outs = rows(lambda g, s, x: st.update(g, s, x, shared, **extra_args),
-              grads, states, xs, after=after)
+  outs = one_pass(lambda g, s, x: st.update(g, s, x, shared, **extra_args),
+                  (grads, states, xs), after,
+                  backwards=len(st.rounds) % 2 == 1)
   return [u for u, _ in outs], st.finish([s for _, s in outs], shared)
 
 
@@ -356,15 +369,14 @@ def for_each_leaf(fn: Callable[..., tuple[Any, Any]], *columns: list[Any],
       chained_i, token_{i+1} = tie(chained_i, token_i)
 
   Row ``i + 1``'s work starts once row ``i``'s ``chained`` outputs exist (a
-  residual that ``fn`` sent back to host memory included: its copy is then
-  done), and its host inputs are copied in once row ``i - 1``'s are. So one
-  row's host outputs go out while the next row's inputs come in. ``free``
-  outputs are not tied: XLA may fuse them into their readers (an update into
-  ``optax.apply_updates``). Scalar inputs are not tied (a scalar shared by
-  all rows is computed once); scalar ``chained`` outputs are.
+  residual ``fn`` sent back to host memory included), and its host inputs
+  are copied in once row ``i - 1``'s are: one row's host outputs go out while
+  the next row's come in. ``free`` outputs are not tied (XLA may fuse an
+  update into ``optax.apply_updates``), nor are scalar inputs (a scalar all
+  rows share is computed once); scalar ``chained`` outputs are.
 
   Lowered for the CPU, each row is a ``lax.cond`` island whose two branches
-  are ``fn`` (the predicate, a token, cannot change the result): XLA:CPU
+  are ``fn`` (its predicate, a token, cannot change the result): XLA:CPU
   schedules a branch as one unit, so one row's temporaries die before the
   next row's are made, which data dependencies alone do not achieve there.
 
@@ -372,9 +384,8 @@ def for_each_leaf(fn: Callable[..., tuple[Any, Any]], *columns: list[Any],
     fn: the per-row work; arguments and outputs are pytrees of arrays
       (``None`` allowed).
     *columns: equal-length lists, one entry per row.
-    after: arrays the first row waits for: a pass that needs the sums of
-      the pass before it, so that its host copies do not start during that
-      pass.
+    after: arrays the first row waits for (the sums of the pass before, so
+      that this pass's host copies do not start during that one).
 
   Returns:
     ``fn``'s outputs, in order.
@@ -501,11 +512,9 @@ def leafwise(tx: optax.GradientTransformation
              ) -> optax.GradientTransformationExtraArgs:
   """Runs ``tx`` row by row (``for_each_leaf``), bounding its scratch by a leaf.
 
-  A whole-tree program runs each stage for every leaf before the next, so
-  every leaf's float32 temporaries are alive at once; ``leafwise(tx)`` runs
-  ``tx``'s stages (declared, or proved by ``stages_of``) one leaf after the
-  other, as ``kahan`` always does. The results are ``tx``'s on each leaf
-  alone (see the module docstring).
+  A whole-tree program has every leaf's float32 temporaries alive at once;
+  ``leafwise(tx)`` runs ``tx``'s stages (``stages_of``) one leaf after the
+  other, as ``kahan`` does, with ``tx``'s results (module docstring).
 
   Args:
     tx: a transformation with a per-leaf form.
@@ -527,9 +536,7 @@ def leafwise(tx: optax.GradientTransformation
     st, reason = stages_of(tx, updates, state, params, **extra_args)
     if st is None:
       raise ValueError(f"leafwise: the transformation has no per-leaf form: "
-                       f"{reason}. For optax.clip_by_global_norm and "
-                       "optax.apply_if_finite use optax_kahan's, in "
-                       "optax_kahan.chain")
+                       f"{reason}")
     return st
 
   return transformation(tx.init, stages, ordered=True)

@@ -95,15 +95,10 @@ def _explicit_axes(x: Any) -> tuple[str, ...]:
 
 
 def _slice(x: jax.Array, slice_p: int) -> jax.Array:
-  """Every ``slice_p``-th entry of the flattened ``x``; ``x`` itself for 1.
-
-  With ``slice_p = 1`` nothing is flattened: the statistics keep the leaf's
-  shape and sharding (a reshape of a leaf sharded on a non-leading axis is
-  refused under Explicit sharding). For ``slice_p > 1``, sharded over
-  Explicit mesh axes, JAX's type rules refuse the strided slice unless its
-  length divides evenly; the slice is then left to the SPMD partitioner
-  (which exchanges only the entries near shard boundaries) and the 1/slice_p
-  result is replicated.
+  """Every ``slice_p``-th entry of the flattened ``x``; ``x`` itself for 1
+  (keeping its shape and sharding). Under Explicit sharding JAX's type rules
+  refuse an uneven strided slice: it is left to the SPMD partitioner (which
+  exchanges only the entries near shard boundaries), the result replicated.
   """
   if slice_p == 1:
     return x
@@ -115,15 +110,10 @@ def _slice(x: jax.Array, slice_p: int) -> jax.Array:
 
 
 def _warn_if_narrow(params: Any, first_step: Any) -> None:
-  """Warns when Prodigy would update bfloat16 (or float16) weights directly
-  with first steps too small for them.
-
-  The first steps are about ``d0 * lr`` (``first_step``; 1e-6 by default),
-  far below half an ulp of a bf16 weight of magnitude 1 (``2**-8``; about
-  ``2**-9 |w|`` on average): the weights do not move, ``<g, x0 - x>`` stays
-  0 and ``d`` never leaves ``d0``, without an error. It warns when
-  ``first_step`` is a number below ``2**-9``. Inside ``kahan`` the estimator
-  sees float32 weights and this never fires.
+  """Warns when Prodigy steps bfloat16 (or float16) weights directly with a
+  first step ``d0 * lr`` below ``2**-9`` (about half a bf16 ulp of a weight
+  of magnitude 1): the weights do not move, ``<g, x0 - x>`` stays 0 and ``d``
+  never leaves ``d0``, without an error. Inside ``kahan`` it never fires.
   """
   narrow = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(params)
                    if validation.is_narrow_float(x.dtype)

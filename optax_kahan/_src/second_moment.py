@@ -9,15 +9,13 @@ where, with ``rho = d_{k-1} / d_k``::
     m~ <- b1 rho   m~ + (1 - b1) g
     v~ <- b2 rho^2 v~ + (1 - b2) g^2
 
-so a standard preconditioner on ``g`` sits beside a d-estimator that needs only
-``g`` and the params, coupled by two extra arguments of ``update`` (both 1
-on its own): ``d_ratio = d_{k-1} / d_k`` rescales the old moments, and
-``d_growth = d_{k+1} / d_k`` scales ``eps`` and, with ``b1 = 0``, the
-numerator (prodigyopt steps ``d_k lr d_{k+1} g / (sqrt(v) + d_{k+1} eps)``
-with no first moment; note ``d_{k+1}``). With ``b1 = 0`` no first-moment
-buffer exists. With ``bias_correction=True`` this is ``optax.scale_by_adam``
-(``eps`` outside the root; the bias correction multiplies by
-``1 / (1 - b^t)``, so the last bit can differ from optax's division).
+so a standard preconditioner on ``g`` sits beside a d-estimator, coupled by
+two extra arguments of ``update`` (both 1 on its own): ``d_ratio`` rescales
+the old moments, and ``d_growth = d_{k+1} / d_k`` scales ``eps`` and, with
+``b1 = 0`` (no first-moment buffer), the numerator: prodigyopt steps
+``d_k lr d_{k+1} g / (sqrt(v) + d_{k+1} eps)`` then. With
+``bias_correction=True`` this is ``optax.scale_by_adam`` (up to the last bit:
+the bias correction multiplies by ``1 / (1 - b^t)``).
 
 References:
   Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015.

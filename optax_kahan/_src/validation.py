@@ -143,23 +143,15 @@ def tree_mismatch(a: Any, b: Any, *, names: tuple[str, str] = ("a", "b"),
 
 
 def is_abstract(tree: Any) -> bool:
-  """True when ``tree`` has ``jax.ShapeDtypeStruct`` leaves (shapes only).
-
-  ``init`` functions then return ``jax.eval_shape(init, tree)``: the state's
-  shapes, dtypes and shardings, as optax's own optimizers accept abstract
-  params (for sizing a state or building its shardings before any array
-  exists).
-  """
+  """True when ``tree`` has ``jax.ShapeDtypeStruct`` leaves: ``init``
+  functions then return ``jax.eval_shape(init, tree)`` (the state's shapes,
+  dtypes and shardings, as optax's own optimizers do)."""
   return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
 def is_static_zero(value: Any) -> bool:
-  """True for a Python 0 or a concrete (not traced) array equal to 0.
-
-  ``optax.inject_hyperparams`` turns a ``b1=0`` into an array; when ``init``
-  runs outside ``jax.jit`` that array is concrete and the first-moment buffer
-  can still be left out.
-  """
+  """True for a Python 0 or a concrete (not traced) array equal to 0 (a
+  ``b1=0`` that ``optax.inject_hyperparams`` made an array, outside jit)."""
   if isinstance(value, (int, float)):
     return value == 0
   if isinstance(value, jax.core.Tracer):
