@@ -96,9 +96,9 @@ def _bf16_forward(model: bw.BlockwiseModel) -> bw.BlockwiseModel:
   """The model on float32 master weights: each part casts them to bf16."""
   cast = lambda fn: (lambda p, *a: fn(flux_model.to_dtype(p, jnp.bfloat16),
                                       *a))
-  return bw.BlockwiseModel(cast(model.embed),
-                           tuple(cast(b) for b in model.blocks),
-                           cast(model.head))
+  return model._replace(embed=cast(model.embed),
+                        blocks=tuple(cast(b) for b in model.blocks),
+                        head=cast(model.head))
 
 
 def _state(tx, params, blockwise: bool, device, host) -> Any:

@@ -12,6 +12,7 @@ from optax_kahan._src.blockwise import BlockwiseModel
 from optax_kahan._src.blockwise import BlockwiseParams
 from optax_kahan._src.blockwise import BlockwiseState
 from optax_kahan._src.blockwise import nnx_blockwise
+from optax_kahan._src.blockwise import num_blocks
 from optax_kahan._src.coupled import apply_if_finite
 from optax_kahan._src.coupled import clip_by_global_norm
 from optax_kahan._src.factored_second_moment import scale_by_factored_second_moment
@@ -80,6 +81,7 @@ __all__ = (
     "leafwise",
     "merge_float32",
     "nnx_blockwise",
+    "num_blocks",
     "per_leaf_transformation",
     "prodigy",
     "prodigy_d",

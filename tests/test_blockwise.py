@@ -243,6 +243,8 @@ def test_blockwise_names_a_stack_leaf_without_the_block_axis():
     bw.blockwise_loss(MODEL, bad, batch(0, jnp.float32))
   with pytest.raises(TypeError, match="BlockwiseParams"):
     bw.blockwise_init(optax.sgd(1.0), unstack(params))
+  with pytest.raises(ValueError, match=r"stacks\[1\].*\['w'\]"):
+    bw.blockwise_init(optax.sgd(1.0), bad)
   with pytest.raises(TypeError, match="BlockwiseState"):
     bw.blockwise_step(MODEL, optax.sgd(1.0), params,
                       optax.sgd(1.0).init(params), batch(0, jnp.float32))
@@ -275,3 +277,78 @@ def test_nnx_flux_trains_blockwise():
     loss, params, state = step(params, state)
     losses.append(float(loss))
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+# -- transitions between stacks, and a state people can use ----------------
+def joined_block(p, x, k):
+  return x + jnp.tanh(x @ p["w"]) * (k["vec"] @ p["mod"])[:, None, :]
+
+
+def join(c, k):  # FLUX's join of text and image tokens between its stacks
+  h, g = c
+  return jnp.concatenate([g, h * k["vec"][:, None, :]], axis=1)
+
+
+def split_head(p, x, k, b):
+  return head(p, (x[:, b["x"].shape[1]:], x[:, :b["x"].shape[1]]), k, b)
+
+
+JOINED = bw.BlockwiseModel(embed, (double_block, joined_block), split_head,
+                           transitions=(join,))
+
+
+def test_a_transition_runs_between_the_stacks_and_is_differentiated():
+  params = init_params(jnp.float32)
+  b = batch(0, jnp.float32)
+  tx = optax.sgd(0.1)
+  # The ordinary step: value_and_grad of the loss, then sgd, on the stacks.
+  loss, grads = jax.jit(jax.value_and_grad(bw.blockwise_loss, argnums=1),
+                        static_argnums=0)(JOINED, params, b)
+  want = optax.apply_updates(params, tx.update(grads, tx.init(params))[0])
+  got_loss, got, _ = jax.jit(
+      lambda p, s: bw.blockwise_step(JOINED, tx, p, s, b))(
+          params, bw.blockwise_init(tx, params))
+  np.testing.assert_array_equal(got_loss, loss)
+  # float32 rounding: the two programs fuse the transition's transpose
+  # differently (3.8e-7 relative here; under jax_enable_x64, 1e-16)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-8)
+  # the transition's cotangent of consts reaches the embedding
+  no_ct = JOINED._replace(transitions=(
+      lambda c, k: join(c, jax.lax.stop_gradient(k)),))
+  assert not np.allclose(
+      jax.jit(lambda p, s: bw.blockwise_step(no_ct, tx, p, s, b))(
+          params, bw.blockwise_init(tx, params))[1].embed["t"],
+      got.embed["t"], rtol=1e-4)
+  with pytest.raises(ValueError, match="2 transitions for 2 stacks"):
+    bw.blockwise_loss(JOINED._replace(transitions=(join, join)), params, b)
+
+
+@pytest.mark.slow  # 12 s, most of it eager per-leaf ops
+def test_the_blockwise_state_compiles_once_and_exports_its_residuals():
+  w32 = jax.tree.map(lambda x: x * (1 + 2**-12), init_params(jnp.float32))
+  params, res = ok.kahan_from_float32(jax.device_put(w32, jax.devices()[0]))
+  tx = ok.kahan(optax.adamw(1e-3))
+  state = ok.blockwise_init(tx, params, res)
+  # committed where the params are (before, the stacks' vmap(tx.init) state
+  # was not, and the donated step compiled twice)
+  assert all(x.committed for x in jax.tree.leaves(state))
+  exported = ok.kahan_to_float32(params, ok.kahan_residuals(state))
+  assert isinstance(exported, bw.BlockwiseParams)
+  _assert_trees_equal(exported, w32)  # the low bits survive init
+  step = jax.jit(lambda p, s, b: bw.blockwise_step(MODEL, tx, p, s, b),
+                 donate_argnums=(0, 1))
+  first = params
+  for i in range(2):
+    _, params, state = step(params, state, batch(i, jnp.bfloat16))
+  assert step._cache_size() == 1
+  with pytest.raises(ValueError, match=r"params\.embed\['b'\] was donated"):
+    ok.blockwise_init(tx, first)
+  # import: zero residuals make each weight its bf16 value
+  state = ok.kahan_replace_residuals(state, ok.kahan_init(params))
+  _assert_trees_equal(ok.kahan_to_float32(params, ok.kahan_residuals(state)),
+                      jax.tree.map(lambda p: p.astype(jnp.float32), params))
+  with pytest.raises(ValueError, match="BlockwiseParams with 2 stacks"):
+    ok.kahan_replace_residuals(state, ok.kahan_residuals(state.embed))
+  assert ok.prodigy_d(ok.blockwise_init(
+      ok.prodigy_factored(lagged_d=True), params)) == np.float32(1e-6)

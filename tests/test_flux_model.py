@@ -24,7 +24,7 @@ def _jit(fn):
 
 def _run_pieces(fns, params, batch):
   """embed, ``lax.scan`` of each block fn over its stack, head: the loss."""
-  embed_fn, block_fns, head_fn = fns
+  embed_fn, block_fns, head_fn = fns.embed, fns.blocks, fns.head
   embed_params, stack_params, head_params = params
   carry, consts = embed_fn(embed_params, batch)
   for block_fn, stack in zip(block_fns, stack_params):
@@ -86,8 +86,8 @@ def test_grad_through_pieces_finite_and_nonzero(tiny):
 
 def test_bf16_carry_and_consts_structure(tiny):
   model = tiny[0]
-  (embed_fn, (double_fn, single_fn), head_fn), params = fm.flux_blockwise(
-      model)
+  fns, params = fm.flux_blockwise(model)
+  embed_fn, (double_fn, single_fn), head_fn = fns.embed, fns.blocks, fns.head
   embed_p, (double_p, single_p), head_p = fm.to_dtype(params, jnp.bfloat16)
   spec = fm.batch_spec(TINY, **SHAPES)
   one = lambda stack: jax.tree.map(lambda x: x[0], stack)

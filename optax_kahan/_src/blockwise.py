@@ -14,10 +14,12 @@ after the other (FLUX: 19 double-stream, then 38 single-stream blocks)::
 
     carry, consts = embed(theta_E, batch)
     carry = block_s(theta_{s,i}, carry, consts)     for each stack s, block i
+    carry = transition_s(carry, consts)             between stacks s and s + 1
     loss  = head(theta_H, carry, consts, batch)
 
 ``consts`` are the values every block reads and none changes (FLUX's
-conditioning vector and rotary tables). The step:
+conditioning vector and rotary tables); a transition has no weights (FLUX
+joins its text and image tokens between its two stacks). The step:
 
 1. Forward: the embedding (its vjp kept), then each stack by ``lax.scan``,
    keeping only each block's input ``carry`` (block remat); then the head.
@@ -50,7 +52,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from flax import nnx
 import jax
@@ -60,6 +62,7 @@ from jax import lax
 
 from optax_kahan._src import per_leaf
 from optax_kahan._src import validation
+from optax_kahan._src.leaves import commit_with
 
 Carry = Any
 Consts = Any
@@ -75,10 +78,20 @@ class BlockwiseModel(NamedTuple):
       carry``, where ``block_params`` is one block's slice of the stack (no
       leading axis) and the carry keeps its structure, shapes and dtypes.
     head: ``head(head_params, carry, consts, batch) -> loss``, a scalar.
+    transitions: none, or one function per pair of consecutive stacks,
+      ``transition(carry, consts) -> carry``, run after stack ``s`` (the
+      next stack's carry may have another structure).
   """
   embed: Callable[[Any, Batch], tuple[Carry, Consts]]
   blocks: tuple[Callable[[Any, Carry, Consts], Carry], ...]
   head: Callable[[Any, Carry, Consts, Batch], jax.Array]
+  transitions: tuple[Callable[[Carry, Consts], Carry], ...] = ()
+
+  def transition(self, s: int) -> Optional[Callable[[Carry, Consts], Carry]]:
+    """What runs after stack ``s``, or None (nothing)."""
+    if not self.transitions or s == len(self.blocks) - 1:
+      return None
+    return self.transitions[s]
 
 
 class BlockwiseParams(NamedTuple):
@@ -96,22 +109,39 @@ class BlockwiseState(NamedTuple):
 
 
 def _check_params(model: BlockwiseModel, params: BlockwiseParams) -> None:
-  if not isinstance(params, BlockwiseParams):
-    raise TypeError(f"params must be a BlockwiseParams, got "
-                    f"{type(params).__name__}")
+  _check_stacks(params)
   if len(params.stacks) != len(model.blocks):
     raise ValueError(f"the model has {len(model.blocks)} block functions but "
                      f"params.stacks has {len(params.stacks)} stacks")
+  if model.transitions and len(model.transitions) != len(model.blocks) - 1:
+    raise ValueError(f"the model has {len(model.transitions)} transitions "
+                     f"for {len(model.blocks)} stacks; give one per pair of "
+                     "consecutive stacks, or none")
+
+
+def _check_stacks(params: Any, what: str = "params") -> None:
+  """A ``BlockwiseParams`` whose stacks' leaves share a leading block axis,
+  and no array an earlier jitted call took (donated)."""
+  if not isinstance(params, BlockwiseParams):
+    raise TypeError(f"{what} must be a BlockwiseParams, got "
+                    f"{type(params).__name__}")
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        and x.is_deleted()):
+      raise ValueError(
+          f"{what}{jax.tree_util.keystr(path)} was donated to an earlier "
+          "jitted call (its buffer is deleted): pass the arrays that call "
+          "returned")
   for s, stack in enumerate(params.stacks):
     flat = jax.tree_util.tree_flatten_with_path(stack)[0]
     if not flat:
-      raise ValueError(f"params.stacks[{s}] has no arrays")
+      raise ValueError(f"{what}.stacks[{s}] has no arrays")
     first = jnp.shape(flat[0][1])
     for path, x in flat:
       shape = jnp.shape(x)
       if not shape or not first or shape[0] != first[0]:
         raise ValueError(
-            f"params.stacks[{s}]: every leaf needs the same leading (block) "
+            f"{what}.stacks[{s}]: every leaf needs the same leading (block) "
             f"axis; leaf {jax.tree_util.keystr(path)} has shape "
             f"{list(shape)}, the first leaf {list(first)}")
 
@@ -131,8 +161,10 @@ def _split_module(module: nnx.Module, what: str
   return fn, params
 
 
-def nnx_blockwise(embed: nnx.Module, stacks: Sequence[nnx.Module],
-                  head: nnx.Module) -> tuple[BlockwiseModel, BlockwiseParams]:
+def nnx_blockwise(
+    embed: nnx.Module, stacks: Sequence[nnx.Module], head: nnx.Module,
+    transitions: Sequence[Callable[[Carry, Consts], Carry]] = (),
+) -> tuple[BlockwiseModel, BlockwiseParams]:
   """A Flax NNX model's parts as a ``BlockwiseModel`` and its params.
 
   ``embed(batch) -> (carry, consts)``, each stacked module's block
@@ -146,6 +178,7 @@ def nnx_blockwise(embed: nnx.Module, stacks: Sequence[nnx.Module],
     embed: the embedding module.
     stacks: the stacked block modules, in the order they run.
     head: the head module, returning the scalar loss.
+    transitions: the model's ``transitions`` (functions without weights).
 
   Returns:
     ``(model, params)`` for ``blockwise_step``; the params are the modules'
@@ -158,7 +191,8 @@ def nnx_blockwise(embed: nnx.Module, stacks: Sequence[nnx.Module],
   embed_fn, embed_params = _split_module(embed, "embed")
   split = [_split_module(m, f"stacks[{i}]") for i, m in enumerate(stacks)]
   head_fn, head_params = _split_module(head, "head")
-  return (BlockwiseModel(embed_fn, tuple(fn for fn, _ in split), head_fn),
+  return (BlockwiseModel(embed_fn, tuple(fn for fn, _ in split), head_fn,
+                         tuple(transitions)),
           BlockwiseParams(embed_params, tuple(p for _, p in split),
                           head_params))
 
@@ -174,7 +208,8 @@ def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
 
   A stack's state is ``jax.vmap(tx.init)`` of its weights: the state of each
   block's weights on its own, stacked on a leading axis (a step count per
-  block, say, all equal).
+  block, say, all equal). The state is committed where the params are, so
+  the jitted step compiles once.
 
   Args:
     tx: the transformation ``blockwise_step`` will apply.
@@ -185,16 +220,23 @@ def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
 
   Returns:
     A ``BlockwiseState``.
+
+  Raises:
+    TypeError, ValueError: for params (or arguments) that are not a
+      ``BlockwiseParams``, a stack without one leading axis, or an array an
+      earlier jitted call took (donated), naming the leaf.
   """
-  for tree in (params, *args):
+  _check_stacks(params)
+  for i, tree in enumerate(args):
     if not isinstance(tree, BlockwiseParams):
-      raise TypeError(f"params (and each extra argument) must be a "
+      raise TypeError(f"blockwise_init's argument {i + 2} must be a "
                       f"BlockwiseParams, got {type(tree).__name__}")
-  return BlockwiseState(
+  state = BlockwiseState(
       embed=tx.init(params.embed, *(a.embed for a in args)),
       stacks=tuple(jax.vmap(tx.init)(stack, *(a.stacks[s] for a in args))
                    for s, stack in enumerate(params.stacks)),
       head=tx.init(params.head, *(a.head for a in args)))
+  return commit_with(state, params, "blockwise_init")
 
 
 def blockwise_loss(model: BlockwiseModel, params: BlockwiseParams,
@@ -207,10 +249,12 @@ def blockwise_loss(model: BlockwiseModel, params: BlockwiseParams,
   """
   _check_params(model, params)
   carry, consts = model.embed(params.embed, batch)
-  for block, stack in zip(model.blocks, params.stacks):
+  for s, (block, stack) in enumerate(zip(model.blocks, params.stacks)):
     block = jax.checkpoint(block)
     carry, _ = lax.scan(lambda c, p, block=block: (block(p, c, consts), None),
                         carry, stack)
+    if model.transition(s) is not None:
+      carry = model.transition(s)(carry, consts)
   return model.head(params.head, carry, consts, batch)
 
 
@@ -371,11 +415,15 @@ def blockwise_step(
 
   (carry, consts), embed_vjp = jax.vjp(lambda p: model.embed(p, batch),
                                        params.embed)
-  inputs = []
-  for block, stack in zip(model.blocks, params.stacks):
+  inputs, transitions = [], []
+  for s, (block, stack) in enumerate(zip(model.blocks, params.stacks)):
     carry, saved = lax.scan(
         lambda c, p, block=block: (block(p, c, consts), c), carry, stack)
     inputs.append(saved)
+    transition_vjp = None
+    if model.transition(s) is not None:
+      carry, transition_vjp = jax.vjp(model.transition(s), carry, consts)
+    transitions.append(transition_vjp)
   loss, head_vjp = jax.vjp(lambda p, c, k: model.head(p, c, k, batch),
                            params.head, carry, consts)
   grads, ct, ct_consts = head_vjp(jnp.ones_like(loss))
@@ -385,6 +433,9 @@ def blockwise_step(
   stacks = list(params.stacks)
   stack_states = list(state.stacks)
   for s in reversed(range(len(stacks))):
+    if transitions[s] is not None:
+      ct, ct_transition = transitions[s](ct)
+      ct_consts = _add_cotangents(ct_consts, ct_transition)
     ct, ct_stack, stacks[s], stack_states[s] = _backward_stack(
         tx, model.blocks[s], stacks[s], stack_states[s], inputs[s], consts,
         ct)

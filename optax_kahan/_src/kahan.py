@@ -33,9 +33,11 @@ import jax.numpy as jnp
 import optax
 
 from optax_kahan._src import bits
+from optax_kahan._src import blockwise
 from optax_kahan._src import per_leaf
 from optax_kahan._src import validation
 from optax_kahan._src.bits import Rounding
+from optax_kahan._src.leaves import commit_with
 from optax_kahan._src.leaves import is_none
 from optax_kahan._src.leaves import landing_delta
 from optax_kahan._src.leaves import leaves_like
@@ -360,7 +362,7 @@ def kahan(
       residuals = jax.tree.map(lambda lo: to_host(lo) if offload else lo,
                                residuals)
       state = KahanState(residuals, inner.init(exact))
-    return _commit_with(state, params) if offload else state
+    return commit_with(state, params, "kahan")
 
   stages = functools.partial(_stages, inner, rounding, offload)
   whole_tree = functools.partial(_whole_tree, inner, rounding, offload)
@@ -475,47 +477,26 @@ def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
         stacklevel=5)
 
 
-def _commit_with(state: Any, params: Any) -> Any:
-  """Commits ``state``'s uncommitted arrays where the (committed) params live,
-  or warns that the params are not: offloaded residuals are committed, and a
-  jitted step of mixed arguments returns committed outputs, so its second
-  call compiles again (minutes for a large model)."""
-  arrays = [x for x in jax.tree.leaves(params)
-            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
-  if not arrays:
-    return state
-  if not all(x.committed for x in arrays):
-    validation.warn(
-        "kahan(offload=True): the params are not committed to a device, so "
-        "the first jitted step will compile twice (its outputs are "
-        "committed). Commit them once, before init: params = "
-        "jax.device_put(params, jax.devices()[0]) (restored and sharded "
-        "params already are)", stacklevel=3)
-    return state
-  sharding = arrays[0].sharding
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    target = jax.sharding.NamedSharding(sharding.mesh, jax.P())
-  else:
-    target = jax.sharding.SingleDeviceSharding(
-        next(iter(sharding.device_set)))
-  return jax.tree.map(
-      lambda x: x if not isinstance(x, jax.Array) or x.committed
-      else jax.device_put(x, target), state)
-
-
 def kahan_residuals(opt_state: optax.OptState) -> Residuals:
   """The residuals of the ``KahanState`` inside ``opt_state``.
 
   Works whatever wraps ``kahan`` (``MultiSteps``, ``inject_hyperparams``, a
-  chain, ``nnx.Optimizer``'s state, ``BlockwiseState``); export exact float32
-  weights with ``kahan_to_float32``. With one ``kahan`` per group under
+  chain, ``nnx.Optimizer``'s state); export exact float32 weights with
+  ``kahan_to_float32``. With one ``kahan`` per group under
   ``optax.partition`` or ``masked``, the groups' residuals (``MaskedNode``
-  for the other groups' leaves) are combined leaf by leaf.
+  for the other groups' leaves) are combined leaf by leaf. Of a
+  ``BlockwiseState``, a ``BlockwiseParams`` of each group's residuals (the
+  stacks' with their block axis).
 
   Raises:
     ValueError: if ``opt_state`` holds no ``KahanState``, or two of them
       hold a residual for the same leaf.
   """
+  if isinstance(opt_state, blockwise.BlockwiseState):
+    return blockwise.BlockwiseParams(
+        kahan_residuals(opt_state.embed),
+        tuple(kahan_residuals(s) for s in opt_state.stacks),
+        kahan_residuals(opt_state.head))
   found = validation.find(opt_state, KahanState)
   if not found:
     raise ValueError("no KahanState in this optimizer state")
@@ -553,8 +534,10 @@ def kahan_replace_residuals(
   mode) whatever ``lo`` holds: forgetting to reset costs that, once.
 
   Args:
-    opt_state: a state containing one or more ``KahanState``.
-    residuals: a tree like the old residuals (same structure, dtypes, shapes).
+    opt_state: a state containing one or more ``KahanState``, or a
+      ``BlockwiseState``.
+    residuals: a tree like the old residuals (same structure, dtypes,
+      shapes): a ``BlockwiseParams`` of them for a ``BlockwiseState``.
 
   Returns:
     The state with the new residuals (in the memory kind they come in).
@@ -562,6 +545,18 @@ def kahan_replace_residuals(
   Raises:
     ValueError: if there is no ``KahanState`` or the trees do not match.
   """
+  if isinstance(opt_state, blockwise.BlockwiseState):
+    if (not isinstance(residuals, blockwise.BlockwiseParams)
+        or len(residuals.stacks) != len(opt_state.stacks)):
+      raise ValueError(
+          "the residuals of a BlockwiseState are a BlockwiseParams with "
+          f"{len(opt_state.stacks)} stacks (as kahan_residuals gives), got "
+          f"{type(residuals).__name__}")
+    return blockwise.BlockwiseState(
+        kahan_replace_residuals(opt_state.embed, residuals.embed),
+        tuple(kahan_replace_residuals(s, r) for s, r in
+              zip(opt_state.stacks, residuals.stacks)),
+        kahan_replace_residuals(opt_state.head, residuals.head))
   if not validation.find(opt_state, KahanState):
     raise ValueError("no KahanState in this optimizer state")
 
