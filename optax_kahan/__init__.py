@@ -11,6 +11,7 @@ from optax_kahan._src.blockwise import blockwise_step
 from optax_kahan._src.blockwise import BlockwiseModel
 from optax_kahan._src.blockwise import BlockwiseParams
 from optax_kahan._src.blockwise import BlockwiseState
+from optax_kahan._src.blockwise import linen_apply
 from optax_kahan._src.blockwise import nnx_blockwise
 from optax_kahan._src.blockwise import num_blocks
 from optax_kahan._src.coupled import apply_if_finite
@@ -79,6 +80,7 @@ __all__ = (
     "kahan_to_float32",
     "kahan_train_state",
     "leafwise",
+    "linen_apply",
     "merge_float32",
     "nnx_blockwise",
     "num_blocks",

@@ -352,3 +352,29 @@ def test_the_blockwise_state_compiles_once_and_exports_its_residuals():
     ok.kahan_replace_residuals(state, ok.kahan_residuals(state.embed))
   assert ok.prodigy_d(ok.blockwise_init(
       ok.prodigy_factored(lagged_d=True), params)) == np.float32(1e-6)
+
+
+@pytest.mark.slow  # 10 s
+def test_linen_flux_in_maxdiffusions_layout_trains_with_one_compilation():
+  # Flax linen, blocks under nn.scan (weights stacked by linen itself), the
+  # double blocks returning (carry, None), the join as a transition.
+  from benchmarks import flux_linen
+  cfg = flux_linen.Config()
+  b = flux_linen.random_batch(jax.random.key(1), cfg)
+  linen = flux_linen.Flux(cfg)
+  params = jax.device_put(linen.init(jax.random.key(0), b)["params"],
+                          jax.devices()[0])
+  model, params_bw = flux_linen.blockwise_parts(cfg, params)
+  np.testing.assert_allclose(bw.blockwise_loss(model, params_bw, b),
+                             linen.apply({"params": params}, b), rtol=1e-6)
+  tx = ok.kahan(optax.adamw(3e-3))
+  params_bw = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params_bw)
+  state = ok.blockwise_init(tx, params_bw)
+  step = jax.jit(lambda p, s: ok.blockwise_step(model, tx, p, s, b),
+                 donate_argnums=(0, 1))
+  losses = []
+  for _ in range(5):
+    loss, params_bw, state = step(params_bw, state)
+    losses.append(float(loss))
+  assert step._cache_size() == 1
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+from flax import linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -195,6 +196,40 @@ def nnx_blockwise(
                          tuple(transitions)),
           BlockwiseParams(embed_params, tuple(p for _, p in split),
                           head_params))
+
+
+def linen_apply(module: nn.Module,
+                method: Optional[Callable[..., Any]] = None
+                ) -> Callable[..., Any]:
+  """A Flax linen module as a part of a ``BlockwiseModel``.
+
+  ``fn(params, *args) = module.apply({"params": params}, *args,
+  method=method)``. For a stack run under ``nn.scan(Block,
+  variable_axes={"params": 0}, ...)`` (the layout MaxText and MaxDiffusion
+  train in), the scanned module's params are already one stack (a leading
+  block axis on every leaf); the block function is ``linen_apply`` of one
+  unscanned ``Block``, with a ``method`` that maps ``(carry, consts)`` to its
+  call (keyword arguments, a ``(carry, None)`` return)::
+
+    model = BlockwiseModel(
+        embed=linen_apply(Embed(cfg)),
+        blocks=(linen_apply(Block(cfg), lambda m, c, k: m(c, **k)[0]),),
+        head=linen_apply(Head(cfg)))
+    params = BlockwiseParams(p["embed"], (p["blocks"],), p["head"])
+
+  Args:
+    module: the (unbound) module of one part, configured as in the model.
+    method: ``method(module, *args)``, what to call (default ``__call__``).
+
+  Returns:
+    ``fn(params, *args)``. A module that needs collections other than
+    ``params`` (batch statistics) fails in ``apply``, naming them.
+  """
+
+  def fn(params: Any, *args: Any) -> Any:
+    return module.apply({"params": params}, *args, method=method)
+
+  return fn
 
 
 def num_blocks(stack: Any) -> int:
