@@ -120,29 +120,29 @@ def _check_params(model: BlockwiseModel, params: BlockwiseParams) -> None:
                      "consecutive stacks, or none")
 
 
-def _check_stacks(params: Any, what: str = "params") -> None:
+def _check_stacks(params: Any) -> None:
   """A ``BlockwiseParams`` whose stacks' leaves share a leading block axis,
   and no array an earlier jitted call took (donated)."""
   if not isinstance(params, BlockwiseParams):
-    raise TypeError(f"{what} must be a BlockwiseParams, got "
+    raise TypeError(f"params must be a BlockwiseParams, got "
                     f"{type(params).__name__}")
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
     if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
         and x.is_deleted()):
       raise ValueError(
-          f"{what}{jax.tree_util.keystr(path)} was donated to an earlier "
+          f"params{jax.tree_util.keystr(path)} was donated to an earlier "
           "jitted call (its buffer is deleted): pass the arrays that call "
           "returned")
   for s, stack in enumerate(params.stacks):
     flat = jax.tree_util.tree_flatten_with_path(stack)[0]
     if not flat:
-      raise ValueError(f"{what}.stacks[{s}] has no arrays")
+      raise ValueError(f"params.stacks[{s}] has no arrays")
     first = jnp.shape(flat[0][1])
     for path, x in flat:
       shape = jnp.shape(x)
       if not shape or not first or shape[0] != first[0]:
         raise ValueError(
-            f"{what}.stacks[{s}]: every leaf needs the same leading (block) "
+            f"params.stacks[{s}]: every leaf needs the same leading (block) "
             f"axis; leaf {jax.tree_util.keystr(path)} has shape "
             f"{list(shape)}, the first leaf {list(first)}")
 
