@@ -37,6 +37,9 @@ def test_gpu_programs_keep_their_promises():
       timeout=1200)
   assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
   assert "| kahan(chain(clip_by_global_norm, optax.adamw)) |" in out.stdout
+  # optax's own clip chain is checked too (it keeps its per-leaf form)
+  assert ("| kahan(optax.chain(optax.clip_by_global_norm, optax.adamw)) |"
+          in out.stdout)
 
 
 def _row(**kw):

@@ -27,10 +27,10 @@ warning.
 One ordering primitive runs rows, ``for_each_leaf``: by data dependencies
 when lowered for a GPU (or any non-CPU backend), as ``lax.cond`` islands on
 the CPU. Both evaluate the same per-leaf functions, and ``jax.grad`` and
-``jax.vmap`` go through both. A per-leaf step is the transformation applied
-to each leaf alone, bit for bit (XLA rounds a division by a scalar with one
-user, ``optax.adam``'s bias correction in a one-leaf row, within an ulp of a
-whole-tree program's).
+``jax.vmap`` go through both. A per-leaf step is, bit for bit, the
+transformation applied to each leaf alone; against its whole-tree program it
+can differ by an ulp (XLA turns ``optax.adam``'s bias-correction division
+into a reciprocal multiply only where the scalar has one user, a leaf's row).
 
 References:
   PyTorch optimizers' ``foreach=False`` loops, one tensor at a time.
