@@ -12,8 +12,8 @@ image tokens are joined, and the head splits them again::
     x = scan(SingleBlock)(x, temb=temb)
     loss = Head(x[:, n_txt:], temb, batch)      # the split
 
-``blockwise_parts`` gives the ``BlockwiseModel`` and ``BlockwiseParams`` of
-it for ``optax_kahan.blockwise_step``; the test and the example train it.
+``examples/blockwise_linen.py`` adapts it for ``optax_kahan.blockwise_step``
+(its ``adapt``) and trains it.
 Written here from FLUX's structure (shift/scale modulation from the
 conditioning vector, joint attention over text and image tokens), not
 copied; the sizes are tiny.
@@ -22,13 +22,10 @@ copied; the sizes are tiny.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-
-import optax_kahan as ok
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,19 +135,3 @@ def random_batch(key: jax.Array, cfg: Config, batch: int = 2, n_img: int = 6,
           "t": jax.random.uniform(ks[2], (batch,)),
           "target": jax.random.normal(ks[3], (batch, n_img, cfg.in_dim))}
 
-
-def blockwise_parts(cfg: Config, params: Any
-                    ) -> tuple[ok.BlockwiseModel, ok.BlockwiseParams]:
-  """The model for ``ok.blockwise_step``: the adaptation a user writes."""
-  model = ok.BlockwiseModel(
-      embed=ok.linen_apply(Embed(cfg)),
-      blocks=(ok.linen_apply(DoubleBlock(cfg),
-                             lambda m, carry, temb: m(carry, temb)[0]),
-              ok.linen_apply(SingleBlock(cfg),
-                             lambda m, x, temb: m(x, temb)[0])),
-      head=ok.linen_apply(Head(cfg), lambda m, x, temb, batch: m(
-          x[:, batch["txt"].shape[1]:], temb, batch)),
-      transitions=(lambda carry, temb: jnp.concatenate(carry[::-1], axis=1),))
-  return model, ok.BlockwiseParams(
-      params["embed"], (params["double_blocks"], params["single_blocks"]),
-      params["head"])

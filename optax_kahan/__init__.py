@@ -26,6 +26,8 @@ from optax_kahan._src.kahan import kahan_replace_residuals
 from optax_kahan._src.kahan import kahan_residuals
 from optax_kahan._src.kahan import kahan_to_float32
 from optax_kahan._src.kahan import KahanState
+from optax_kahan._src.per_block import block_axes_of
+from optax_kahan._src.per_block import per_block
 from optax_kahan._src.per_leaf import chain
 from optax_kahan._src.per_leaf import for_each_leaf
 from optax_kahan._src.per_leaf import LateSums
@@ -65,6 +67,7 @@ __all__ = (
     "ScaleByStableAdamWState",
     "StochasticRoundingState",
     "apply_if_finite",
+    "block_axes_of",
     "blockwise_init",
     "blockwise_loss",
     "blockwise_step",
@@ -84,6 +87,7 @@ __all__ = (
     "merge_float32",
     "nnx_blockwise",
     "num_blocks",
+    "per_block",
     "per_leaf_transformation",
     "prodigy",
     "prodigy_d",

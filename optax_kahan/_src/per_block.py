@@ -1,0 +1,266 @@
+"""Stacked leaves as blocks: an optimizer applied to each block of a stack.
+
+Models that scan over their blocks (``nn.scan``, ``nnx.scan`` over
+``nnx.vmap``-built blocks: MaxText, MaxDiffusion) keep each weight of the
+blocks as one leaf with leading block axes, ``theta_i`` of shape
+``(L_i, ...)``. To a per-leaf statistic that leaf is one tensor: the factored
+second moment factors a stacked ``(L, d)`` bias across its blocks, Prodigy's
+``slice_p`` slices across block boundaries, an RMS clip or adafactor's
+parameter scale mixes all blocks. ``per_block(tx, block_axes)`` is ``tx`` on
+the tree in which every stacked leaf is replaced by its blocks::
+
+    per_block(tx).init(theta)       = tx.init(U(theta))
+    per_block(tx).update(g, s, theta) = (S(u), s'),
+        (u, s') = tx.update(U(g), s, U(theta))
+
+with ``U`` the unstacking (``theta_i -> (theta_{i,1}, ..., theta_{i,L_i})``,
+a tuple in the leaf's place) and ``S`` its inverse. So the ordinary step on
+the stacked tree, ``blockwise_step`` (which steps each block on its own) and
+the unstacked model are one optimizer. Where ``tx`` has a per-leaf form
+(``optax_kahan.per_leaf``) so does ``per_block(tx)``: a stacked leaf's row
+runs ``tx``'s row for each of its blocks and sums their statistics (which
+reorders a sum over blocks: agreement to float32 rounding, not bit for bit).
+
+References:
+  Flax ``nn.scan`` and ``nnx.vmap`` (``variable_axes``, ``transform_metadata``
+  with ``PARTITION_NAME``); MaxText's ``scan_layers``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from flax import linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_kahan._src import per_leaf
+
+
+class _Blocks:
+  """A stacked leaf's per-block states (a pytree node; its number of block
+  axes is static, so rows can unstack the leaf's arrays)."""
+
+  def __init__(self, states: tuple[Any, ...], axes: int):
+    self.states = states
+    self.axes = axes
+
+
+jax.tree_util.register_pytree_node(
+    _Blocks, lambda b: (b.states, b.axes), lambda axes, s: _Blocks(s, axes))
+
+
+def _blocks(x: Any, axes: int) -> list[Any]:
+  """The blocks of ``x`` (an array, a tracer or a ``jax.ShapeDtypeStruct``):
+  its slices over its first ``axes`` axes, in row-major order."""
+  if x is None:
+    return None
+  shape = jnp.shape(x)
+  n = math.prod(shape[:axes])
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return [jax.ShapeDtypeStruct(shape[axes:], x.dtype)] * n
+  flat = jnp.reshape(x, (n, *shape[axes:]))
+  return [flat[b] for b in range(n)]
+
+
+def _leaf_axes(block_axes: Any, tree: Any) -> list[int]:
+  """``block_axes`` (an int, or a tree of ints that is a prefix of
+  ``tree``'s) as one int per leaf of ``tree``, checked against its shapes."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  if isinstance(block_axes, int):
+    axes = [block_axes] * len(leaves)
+  else:
+    try:
+      full = jax.tree.map(lambda k, sub: jax.tree.map(lambda _: k, sub),
+                          block_axes, tree)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          f"per_block: block_axes {block_axes!r} is not a prefix of the "
+          f"updates' tree ({e}). (blockwise_step steps each block on its "
+          "own already: give it tx itself.)") from e
+    axes = jax.tree.leaves(full)
+  for (path, x), k in zip(leaves, axes):
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+      raise ValueError(f"per_block: block_axes for leaf "
+                       f"{jax.tree_util.keystr(path)} must be an int >= 0, "
+                       f"got {k!r}")
+    if k > jnp.ndim(x) or (k and not math.prod(jnp.shape(x)[:k])):
+      raise ValueError(
+          f"per_block: leaf {jax.tree_util.keystr(path)} of shape "
+          f"{list(jnp.shape(x))} cannot have {k} leading block axes")
+  return axes
+
+
+def _unstack(tree: Any, axes: list[int]) -> Any:
+  """``U``: each leaf with block axes replaced by the tuple of its blocks."""
+  if tree is None:
+    return None
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef.unflatten([tuple(_blocks(x, k)) if k else x
+                            for x, k in zip(leaves, axes)])
+
+
+def _stack(blocks: list[Any], like: Any) -> jax.Array:
+  """``S`` for one leaf: its blocks back in the shape of ``like``."""
+  return jnp.reshape(jnp.stack(blocks), jnp.shape(like))
+
+
+def per_block(tx: optax.GradientTransformation,
+              block_axes: Any) -> optax.GradientTransformationExtraArgs:
+  """``tx`` applied to each block of stacked leaves as to a leaf of its own.
+
+  For leaves ``theta_i`` whose first ``k_i`` axes index blocks (``L_i``
+  blocks), the transformation is ``tx`` on the tree where ``theta_i`` is
+  the tuple of its blocks ``theta_{i,b} = theta_i[b]``; its updates are
+  stacked back (module docstring). Every per-leaf statistic of ``tx`` (the
+  factored moment's row and column means, Prodigy's slice and sums, an RMS
+  clip, adafactor's parameter scale) is then a block's, and a sum over the
+  leaves (a global norm, Prodigy's ``d``) runs over every block.
+
+  Args:
+    tx: any gradient transformation.
+    block_axes: the number of leading block axes of each leaf: an int for
+      every leaf, or a tree of ints that is a prefix of the params' tree
+      (``{"embed": 0, "blocks": 1, "head": 0}``;
+      ``BlockwiseParams(0, (1, 1), 0)``), or ``block_axes_of(...)`` of the
+      model's partitioning metadata.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; its state is ``tx``'s on
+    the unstacked tree. It has a per-leaf form where ``tx`` has one (a
+    stacked leaf's row runs its blocks' rows one after the other), so
+    ``kahan(per_block(tx, axes))`` keeps ``kahan``'s memory.
+
+  Raises:
+    ValueError: for ``block_axes`` that do not fit the tree, naming the
+      leaf; for ``per_block(kahan(...))`` (write ``kahan(per_block(...))``).
+
+  ``blockwise_step`` already applies ``tx`` to one block at a time: give it
+  ``tx`` itself (its groups are not the tree ``block_axes`` describes).
+
+  Example:
+    >>> import optax
+    >>> import optax_kahan as ok
+    >>> params = {"blocks": {"b": jnp.zeros((4, 8))}, "out": jnp.zeros(8)}
+    >>> tx = ok.per_block(ok.prodigy_factored(), {"blocks": 1, "out": 0})
+    >>> state = tx.init(params)
+
+  References:
+    Shazeer & Stern, "Adafactor", 2018 (per-matrix statistics);
+    Mishchenko & Defazio, "Prodigy", 2024.
+  """
+  tx = optax.with_extra_args_support(tx)
+
+  def init_fn(params):
+    return tx.init(_unstack(params, _leaf_axes(block_axes, params)))
+
+  def whole_tree(updates, state, params=None, **extra_args):
+    leaves, treedef = jax.tree.flatten(updates)
+    axes = _leaf_axes(block_axes, updates)
+    new, state = tx.update(_unstack(updates, axes), state,
+                           _unstack(params, axes), **extra_args)
+    new = treedef.flatten_up_to(new)
+    return treedef.unflatten([_stack(list(u), g) if k else u
+                              for u, g, k in zip(new, leaves, axes)]), state
+
+  def stages(updates, state, params, **extra_args):
+    axes = _leaf_axes(block_axes, updates)
+    inner, reason = per_leaf.stages_of(tx, _unstack(updates, axes), state,
+                                       _unstack(params, axes), **extra_args)
+    if inner is None:
+      return reason
+    if inner.inputs is not None:
+      raise ValueError("per_block(tx): tx brings its own per-leaf inputs "
+                       "(kahan); write kahan(per_block(tx, block_axes))")
+    cuts, start = [], 0
+    for x, k in zip(jax.tree.leaves(updates), axes):
+      n = math.prod(jnp.shape(x)[:k])
+      cuts.append(_Blocks(tuple(inner.leaf_states[start:start + n]), k))
+      start += n
+    if start != len(inner.leaf_states):
+      return (f"its stages cut the state into {len(inner.leaf_states)} "
+              f"leaves for {start} blocks")
+
+    def rows(fn, g, s, x):
+      # fn on each block of one leaf: [(out_b, state_b)].
+      if not s.axes:
+        return [fn(g, s.states[0], x)]
+      xs = _blocks(x, s.axes) or [None] * len(s.states)
+      return [fn(*row) for row in zip(_blocks(g, s.axes), s.states, xs)]
+
+    def round_of(rnd):
+      def statistic(g, s, x, shared, **extra):
+        outs = rows(lambda *r: rnd.statistic(*r, shared, **extra), g, s, x)
+        return (per_leaf.total([stat for stat, _ in outs]),
+                _Blocks(tuple(b for _, b in outs), s.axes))
+      return per_leaf.Round(statistic, rnd.combine)
+
+    def update(g, s, x, shared, **extra):
+      outs = rows(lambda *r: inner.update(*r, shared, **extra), g, s, x)
+      u = _stack([u for u, _ in outs], g) if s.axes else outs[0][0]
+      return u, _Blocks(tuple(b for _, b in outs), s.axes)
+
+    def finish(states, shared):
+      return inner.finish([b for s in states for b in s.states], shared)
+
+    return per_leaf.LeafStages(
+        cuts, inner.shared, tuple(round_of(r) for r in inner.rounds), update,
+        finish)
+
+  return per_leaf.transformation(init_fn, stages, whole_tree=whole_tree)
+
+
+def _names(x: Any) -> Optional[tuple[Any, ...]]:
+  """The axis names of a linen ``nn.Partitioned`` box or an ``nnx.Variable``
+  with sharding metadata; None for anything else."""
+  if isinstance(x, nn.Partitioned):
+    return tuple(x.names)
+  if isinstance(x, nnx.Variable):
+    meta = x.get_metadata()
+    names = meta.get("out_sharding") or meta.get("sharding")
+    return None if names is None else tuple(names)
+  return None
+
+
+def block_axes_of(tree: Any, axis_name: str) -> Any:
+  """Each leaf's number of leading block axes, from partitioning metadata.
+
+  ``nn.scan(..., metadata_params={nn.PARTITION_NAME: axis_name})`` and
+  ``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: axis_name})`` put
+  ``axis_name`` into the axis names of every weight they stack, at the block
+  axis. A leaf's block axes are its leading axes named ``axis_name``.
+
+  Args:
+    tree: params with their metadata: linen's boxed variables (before
+      ``nn.meta.unbox``) or an ``nnx.State`` of ``nnx.Variable`` s.
+    axis_name: the scan's partition name (MaxText and MaxDiffusion:
+      ``"layers"``).
+
+  Returns:
+    A tree of ints, one per array (0 for a leaf without metadata), for
+    ``per_block``'s ``block_axes``.
+
+  Raises:
+    ValueError: if ``axis_name`` names an axis that is not leading, which
+      ``per_block`` cannot unstack.
+  """
+  def axes(path, x):
+    names = _names(x)
+    if names is None:
+      return 0
+    k = 0
+    while k < len(names) and names[k] == axis_name:
+      k += 1
+    if axis_name in names[k:]:
+      raise ValueError(
+          f"block_axes_of: leaf {jax.tree_util.keystr(path)} has the block "
+          f"axis {axis_name!r} at a position that is not leading "
+          f"(names {names}); per_block needs leading block axes")
+    return k
+
+  return jax.tree_util.tree_map_with_path(
+      axes, tree, is_leaf=lambda x: _names(x) is not None)
+
