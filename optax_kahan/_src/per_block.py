@@ -120,6 +120,9 @@ def per_block(tx: optax.GradientTransformation,
   clip, adafactor's parameter scale) is then a block's, and a sum over the
   leaves (a global norm, Prodigy's ``d``) runs over every block.
 
+  ``blockwise_step`` already applies ``tx`` to one block at a time: give it
+  ``tx`` itself (its groups are not the tree ``block_axes`` describes).
+
   Args:
     tx: any gradient transformation.
     block_axes: the number of leading block axes of each leaf: an int for
@@ -137,9 +140,6 @@ def per_block(tx: optax.GradientTransformation,
   Raises:
     ValueError: for ``block_axes`` that do not fit the tree, naming the
       leaf; for ``per_block(kahan(...))`` (write ``kahan(per_block(...))``).
-
-  ``blockwise_step`` already applies ``tx`` to one block at a time: give it
-  ``tx`` itself (its groups are not the tree ``block_axes`` describes).
 
   Example:
     >>> import optax
