@@ -207,6 +207,7 @@ def test_blockwise_names_a_stack_leaf_without_the_block_axis():
                       batch(0, jnp.float32))
 
 
+@pytest.mark.slow  # 20 s
 def test_nnx_flux_trains_blockwise():
   # A tiny FLUX-shaped MMDiT (Flax NNX, nnx.vmap-stacked blocks): the
   # blockwise loss is the module's own, and the blockwise step trains it.
