@@ -376,7 +376,6 @@ def test_stacked_blockwise_and_unstacked_steps_are_one_optimizer(make):
   apart = max(float(np.max(np.abs(x - y)) / np.max(np.abs(y))) for x, y in zip(
       jax.tree.leaves(p), jax.tree.leaves(runs["unstacked"][1])))
   assert apart > 1e-3, apart
-  print(worst, apart)
 
 
 @pytest.mark.slow  # 70 s: 4 optimizers, 50 steps, 2 compiled steps each

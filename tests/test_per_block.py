@@ -147,3 +147,24 @@ def test_block_axes_come_from_linen_scan_metadata():
   unboxed = nn.meta.unbox(boxed)
   tx = ok.per_block(ok.prodigy_factored(), axes)
   tx.update(unboxed, tx.init(unboxed), unboxed)
+
+
+def test_block_axes_come_from_nnx_vmap_metadata():
+  from flax import nnx
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("mlp",),
+                           axis_types=(jax.sharding.AxisType.Explicit,))
+
+  class Block(nnx.Module):
+
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(
+          3, 3, rngs=rngs, kernel_init=nnx.with_partitioning(
+              nnx.initializers.lecun_normal(), (None, "mlp")),
+          bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("mlp",)))
+
+  with jax.set_mesh(mesh):
+    make = nnx.vmap(Block, in_axes=0, out_axes=0,
+                    transform_metadata={nnx.PARTITION_NAME: "layers"})
+    blocks = make(nnx.Rngs(0).fork(split=4))
+    axes = ok.block_axes_of(nnx.state(blocks, nnx.Param), "layers")
+  assert jax.tree.leaves(axes) == [1, 1]  # bias, kernel
