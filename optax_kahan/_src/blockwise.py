@@ -52,6 +52,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from flax import linen as nn
@@ -299,29 +300,6 @@ def _update(tx: optax.GradientTransformation, grads: Any, state: Any,
   return optax.apply_updates(params, updates), state
 
 
-def _block_update(tx: optax.GradientTransformation, grads: Any, state: Any,
-                  params: Any) -> tuple[Any, Any]:
-  """``_update`` of one block inside the backward loop; on the CPU, in a
-  ``lax.cond`` island (as ``per_leaf.for_each_leaf``'s rows).
-
-  XLA:CPU otherwise fuses the block's update into the in-place writes of the
-  stacks, recomputing the new moments there from the old stacked ones, and
-  then copies every stack the loop carries. Its optimization barriers are
-  expanded before fusion, but a conditional's branch is compiled as one
-  unit. The values are the same; other backends' programs are unchanged."""
-
-  def island(token, grads, state, params):
-    return _update(tx, grads, state, params)
-
-  def on_cpu(*args):
-    token = lax.optimization_barrier(jnp.array(True))
-    return lax.cond(token, island, island, token, *args)
-
-  return lax.platform_dependent(
-      grads, state, params, cpu=on_cpu,
-      default=lambda *args: _update(tx, *args))
-
-
 def _add_cotangents(a: Any, b: Any) -> Any:
   # Cotangents of integer inputs are float0 zeros, which do not add.
   return jax.tree.map(
@@ -394,7 +372,11 @@ def _backward_stack(tx, block, stack, stack_state, inputs, consts, ct):
     params = take(stack, i)
     _, vjp = jax.vjp(block, params, take(inputs, i), consts)
     grads, ct, ct_block = vjp(ct)
-    params, state = _block_update(tx, grads, take(stack_state, i), params)
+    # On the CPU, XLA would fuse the block's update into the stacks' in-place
+    # writes, recomputing the new moments there from the old stacked ones,
+    # and then copy every stack the loop carries; an island prevents it.
+    params, state = per_leaf.apart_on_cpu(
+        functools.partial(_update, tx), grads, take(stack_state, i), params)
     return (ct, _add_cotangents(ct_consts, ct_block), put(stack, params, i),
             put(stack_state, state, i))
 

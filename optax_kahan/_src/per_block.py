@@ -70,18 +70,13 @@ def _leaf_axes(block_axes: Any, tree: Any) -> list[int]:
   """``block_axes`` (an int, or a tree of ints that is a prefix of
   ``tree``'s) as one int per leaf of ``tree``, checked against its shapes."""
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  if isinstance(block_axes, int):
-    axes = [block_axes] * len(leaves)
-  else:
-    try:
-      full = jax.tree.map(lambda k, sub: jax.tree.map(lambda _: k, sub),
-                          block_axes, tree)
-    except (ValueError, TypeError) as e:
-      raise ValueError(
-          f"per_block: block_axes {block_axes!r} is not a prefix of the "
-          f"updates' tree ({e}). (blockwise_step steps each block on its "
-          "own already: give it tx itself.)") from e
-    axes = jax.tree.leaves(full)
+  try:
+    axes = jax.tree.leaves(jax.tree.broadcast(block_axes, tree))
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"per_block: block_axes {block_axes!r} is not a prefix of the "
+        f"updates' tree ({e}). (blockwise_step steps each block on its "
+        "own already: give it tx itself.)") from e
   for (path, x), k in zip(leaves, axes):
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
       raise ValueError(f"per_block: block_axes for leaf "

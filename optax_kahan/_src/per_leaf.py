@@ -419,19 +419,39 @@ def _chain(fn: Callable[..., Any], rows: list[Any], after: Any) -> list[Any]:
   return outs
 
 
+def _island(fn: Callable[..., Any], token: jax.Array, *args: Any
+            ) -> tuple[Any, jax.Array]:
+  """``(fn(*args), token)`` as a ``lax.cond`` whose two branches are ``fn``
+  (the predicate, a token, cannot change the result): XLA:CPU compiles a
+  branch as one unit, fused with nothing outside it."""
+
+  def branch(token, *args):
+    return jax.lax.optimization_barrier((fn(*args), token))
+
+  return jax.lax.cond(token, branch, branch, token, *args)
+
+
 def _islands(fn: Callable[..., Any], rows: list[Any], after: Any
              ) -> list[Any]:
   """``for_each_leaf`` on the CPU: each row in a ``lax.cond`` island."""
-
-  def island(token, *row):
-    return jax.lax.optimization_barrier((fn(*row), token))
-
   outs = []
   _, token = tie(after, jax.lax.optimization_barrier(jnp.array(True)))
   for row in rows:
-    out, token = jax.lax.cond(token, island, island, token, *row)
+    out, token = _island(fn, token, *row)
     outs.append(out)
   return outs
+
+
+def apart_on_cpu(fn: Callable[..., Any], *args: Any) -> Any:
+  """``fn(*args)``; lowered for the CPU, as one ``lax.cond`` island, so that
+  XLA:CPU fuses none of it with its consumers (its optimization barriers are
+  expanded before fusion). Other backends get ``fn`` itself."""
+
+  def cpu(*args):
+    return _island(fn, jax.lax.optimization_barrier(jnp.array(True)),
+                   *args)[0]
+
+  return jax.lax.platform_dependent(*args, cpu=cpu, default=fn)
 
 
 # -- composition ---------------------------------------------------------------
