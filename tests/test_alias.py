@@ -71,7 +71,9 @@ def test_descends_with_matching_dtypes_and_one_compile(name, dtype):
   losses = []
   with _stall_warned(name, dtype):
     step.lower(params, state)
-  for _ in range(25):
+  # 60 steps: on this deterministic loss Prodigy's d overshoots first (with
+  # prodigy_factored's bias-corrected clip the loss peaks near step 10).
+  for _ in range(60):
     params, state, loss = step(params, state)
     losses.append(float(loss))
   assert len(traces) == 1, "recompiled across steps"
@@ -88,7 +90,7 @@ def test_inside_kahan_on_bf16(name):
   state = tx.init(params)
   step = jax.jit(lambda p, s: tx.update(jax.grad(_loss)(p), s, p))
   losses = []
-  for _ in range(25):
+  for _ in range(60):  # 60: Prodigy overshoots first (see the test above)
     updates, state = step(params, state)
     params = optax.apply_updates(params, updates)
     losses.append(float(_loss(params)))
@@ -249,5 +251,6 @@ def test_every_argument_is_documented():
     for arg in inspect.signature(fn).parameters:
       doc = ok.prodigy.__doc__ if fn is ok.prodigy_factored else fn.__doc__
       assert f"    {arg}:" in doc, (fn.__name__, arg)
-  for arg in ("b1", "slice_p", "update_clip"):  # the defaults that differ
+  for arg in ("b1", "slice_p", "update_clip",  # the defaults that differ
+              "bias_corrected_clip"):
     assert f"``{arg}=" in ok.prodigy_factored.__doc__, arg

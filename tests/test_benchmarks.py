@@ -1,11 +1,12 @@
 """CI smoke runs of the benchmarks (--quick, tiny shapes): rows and relations."""
 
 import json
+import math
 
 import pytest
 
-from benchmarks import (compile_time, gpu_step, memory, quality, report, speed,
-                        step_memory)
+from benchmarks import (compile_time, gpu_step, memory, prodigy_clip, quality,
+                        report, speed, step_memory)
 
 pytestmark = [
     pytest.mark.slow,  # minutes: run with pytest -m slow
@@ -83,3 +84,22 @@ def test_gpu_step_quick_runs_every_configuration_on_cpu():
   for name, row in results["rows"].items():
     if name.startswith("kahan"):
       assert row["residual_memory_kinds"] == ["pinned_host"], name
+
+
+def test_prodigy_clip_reproduces_the_stall_and_its_fix():
+  """The text-encoder-like model on bf16 weights stepped directly: with the
+  raw update clipped, d stays within 10x of d0 for 100 steps; without the
+  clip, and with the bias-corrected clip, it leaves within them."""
+  results = prodigy_clip.main(["--quick", "--models", "encoder", "--steps",
+                               "100", "--seeds", "1"])
+  bf16 = results["runs"]["encoder"]["bf16"]
+  last_d = {rule: runs[0]["d"][-1] for rule, runs in bf16.items()}
+  assert last_d["clip on"] < 10e-6, last_d
+  assert last_d["clip off"] > 10e-6, last_d
+  assert last_d["clip on, bias-corrected"] > 10e-6, last_d
+  moved = {rule: runs[0]["moved"][9] for rule, runs in bf16.items()}
+  assert moved["clip on"] < moved["clip on, bias-corrected"] / 4, moved
+  for runs in results["runs"]["encoder"]["kahan"].values():
+    assert all(map(math.isfinite, runs[0]["d"]))
+  assert "bias-corrected" in (report.RESULTS / "prodigy_clip_quick.md"
+                              ).read_text()

@@ -87,6 +87,25 @@ def test_signed_zero_and_subnormals_exact():
             np.asarray(x).view(np.uint32)).all()
 
 
+def test_a_zero_beside_a_rounded_up_residual_stays_finite():
+  """A split never pairs +-0 with lo >= 0x8000 ("hi was rounded up"), but a
+  zeroed weight beside a stale residual, or an XLA program that computes the
+  split's two halves from differently rounded sums (seen on XLA:CPU, an FMA
+  in one fusion and not in the other), can. The merge then gives a subnormal
+  of hi's sign, not a borrow across the sign bit into a NaN."""
+  lo = jnp.arange(0x8000, 0x10000, 7, dtype=jnp.uint32).astype(jnp.uint16)
+  for sign in (0x0000, 0x8000):
+    hi = jnp.full(lo.shape, sign, jnp.uint16).view(jnp.bfloat16)
+    back = np.asarray(ok.merge_float32(hi, lo))
+    assert np.isfinite(back).all()
+    assert (np.abs(back) < np.finfo(np.float32).smallest_normal).all()
+    assert (np.signbit(back) == bool(sign)).all()
+  # A split never makes such a pair: every value with lo >= 0x8000 has hi != 0.
+  hi, lo = ok.split_float32(jnp.asarray(X))
+  assert not np.any((np.asarray(lo) >= 0x8000)
+                    & ((np.asarray(hi).view(np.uint16) & 0x7FFF) == 0))
+
+
 def test_bad_input():
   with pytest.raises(ValueError, match="rounding"):
     ok.split_float32(jnp.ones(3), "stochastic")

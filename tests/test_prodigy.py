@@ -6,6 +6,7 @@ our update is fed the reference's own params and gradient, and the step it
 proposes is compared with the step the reference took.
 """
 
+import inspect
 import json
 import pathlib
 
@@ -283,3 +284,77 @@ def test_compiled_step_grows_linearly_with_the_leaf_count():
   # 4x the leaves: linear is about 4x (measured 4.4x); the chain gave 10.7x.
   few, many = compiled_adds(16), compiled_adds(64)
   assert many < 6 * few, (few, many)
+
+
+def _reference_gradients(name="defaults", steps=60):
+  """The prodigyopt fixture's params and gradients, as a teacher-forcing
+  sequence (three leaves: a matrix, a vector and an all-zero leaf)."""
+  _, xs, gs, _, _ = _load(name)
+  return ({k: v[:steps + 1] for k, v in xs.items()},
+          {k: v[:steps] for k, v in gs.items()})
+
+
+def _bits(tree):
+  return [np.asarray(x).view(np.uint32 if x.dtype == np.float32 else np.uint64)
+          for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("lagged_d", [False, True])
+def test_bias_corrected_clip_changes_nothing_while_the_clip_is_idle(lagged_d):
+  """With a threshold no update reaches, the bias-corrected clip, the plain
+  clip and no clip give the same steps and the same d, bit for bit."""
+  xs, gs = _reference_gradients()
+  runs = [teacher_forced_steps(ok.prodigy_factored(
+      update_clip=clip, bias_corrected_clip=corrected, lagged_d=lagged_d,
+      slice_p=3), xs, gs)
+          for clip, corrected in ((None, False), (1e6, False), (1e6, True))]
+  (pred0, d0), *others = runs
+  assert d0[-1] > 100 * 1e-6  # d moved
+  for pred, d in others:
+    np.testing.assert_array_equal(d, d0)
+    for a, b in zip(_bits(pred), _bits(pred0)):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_the_clip_is_optax_clip_by_block_rms_in_the_preconditioner():
+  """``update_clip`` (with ``clip_bias_correction`` off) computes what
+  chaining ``optax.clip_by_block_rms`` after the preconditioner computes:
+  prodigyopt PR #20's clip, bit for bit, on steps where it acts."""
+  xs, gs = _reference_gradients()
+  moment = ok.scale_by_factored_second_moment(0.0, 0.999, 1e-8, 1e-30)
+  inside = ok.scale_by_prodigy(moment, update_clip=0.5, slice_p=3)
+  chained = ok.scale_by_prodigy(ok.chain(moment, optax.clip_by_block_rms(0.5)),
+                                slice_p=3)
+  unclipped, _ = teacher_forced_steps(
+      ok.scale_by_prodigy(moment, slice_p=3), xs, gs)
+  (a, d_a), (b, d_b) = (teacher_forced_steps(tx, xs, gs)
+                        for tx in (inside, chained))
+  np.testing.assert_array_equal(d_a, d_b)
+  for x, y in zip(_bits(a), _bits(b)):
+    np.testing.assert_array_equal(x, y)
+  assert not np.array_equal(a["w"], unclipped["w"])  # the clip acted
+
+
+@pytest.mark.parametrize("b1", [0.0, 0.9])
+@pytest.mark.parametrize("corrected", [False, True])
+def test_the_first_step_is_clipped_at_the_bias_corrected_threshold(b1,
+                                                                    corrected):
+  """A steady gradient's first raw direction has RMS ``(1 - b1) /
+  sqrt(1 - b2)``; the plain clip cuts it to ``tau``, the bias-corrected one
+  to ``tau (1 - b1) / sqrt(1 - b2)``."""
+  tau, b2, d0 = 0.1, 0.999, 1e-6
+  params = {"w": jnp.zeros((4, 6))}
+  grads = {"w": jnp.linspace(-1.0, 1.0, 24).reshape(4, 6) + 0.01}
+  tx = ok.prodigy(b1=b1, b2=b2, d0=d0, update_clip=tau,
+                  bias_corrected_clip=corrected)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  rms = float(jnp.sqrt(jnp.mean(updates["w"]**2)))
+  expected = d0 * tau * ((1 - b1) / np.sqrt(1 - b2) if corrected else 1.0)
+  assert rms == pytest.approx(expected, rel=1e-5)
+
+
+def test_bias_corrected_clip_is_the_factored_default():
+  assert (inspect.signature(ok.prodigy_factored)
+          .parameters["bias_corrected_clip"].default is True)
+  assert (inspect.signature(ok.prodigy)
+          .parameters["bias_corrected_clip"].default is False)

@@ -31,7 +31,9 @@ Two rounding modes decide which bfloat16 the forward pass sees:
   2 * 2**15 = 65,536 bit patterns out of 2**32), is the only one not restored
   bit for bit: it merges to ``x - sign(x) * 2**120`` (one bfloat16 ulp lower).
   Every other finite float32, +-0, subnormals and +-Inf are exact; NaN stays NaN
-  (its payload is not kept: ``hi`` is forced to a quiet NaN).
+  (its payload is not kept: ``hi`` is forced to a quiet NaN). A pair no split
+  makes, +-0 beside ``lo >= 0x8000``, merges to a subnormal without the borrow
+  (which would cross the sign bit into a NaN).
 
 References:
   sd-scripts PR #2159, "Kahan summation for Adafactor-optimized Flux FFT"
@@ -166,7 +168,12 @@ def _merge(hi: jax.Array, lo: jax.Array, rounding: Rounding) -> jax.Array:
   else:
     sign = (hi_bits & jnp.uint32(0x8000)) << 16
     mag = ((hi_bits & jnp.uint32(0x7FFF)) << 16) | lo
-    rounded_up = (lo >= jnp.uint32(_ROUND_HALF)) & (mag < jnp.uint32(_INF))
+    # lo >= 0x8000 says hi was rounded up, which a split never does to +-0:
+    # an hi of +-0 with such an lo (a pair no split makes, e.g. a stale
+    # residual beside a zeroed weight) merges without the borrow, to a
+    # subnormal, instead of borrowing across the sign bit into a NaN.
+    rounded_up = ((lo >= jnp.uint32(_ROUND_HALF)) & (mag < jnp.uint32(_INF))
+                  & (hi_bits & jnp.uint32(0x7FFF) != 0))
     mag = jnp.where(rounded_up, mag - jnp.uint32(0x10000), mag)
     bits = sign | mag
   return lax.bitcast_convert_type(bits, jnp.float32)
