@@ -3,6 +3,8 @@
 from optax_kahan._src.alias import prodigy
 from optax_kahan._src.alias import prodigy_factored
 from optax_kahan._src.alias import stable_adamw
+from optax_kahan._src.bias_corrected_clip import clip_by_bias_corrected_rms
+from optax_kahan._src.bias_corrected_clip import ClipByBiasCorrectedRmsState
 from optax_kahan._src.bits import merge_float32
 from optax_kahan._src.bits import split_float32
 from optax_kahan._src.blockwise import blockwise_init
@@ -56,6 +58,7 @@ __all__ = (
     "BlockwiseModel",
     "BlockwiseParams",
     "BlockwiseState",
+    "ClipByBiasCorrectedRmsState",
     "KahanState",
     "LateSums",
     "LeafStages",
@@ -72,6 +75,7 @@ __all__ = (
     "blockwise_loss",
     "blockwise_step",
     "chain",
+    "clip_by_bias_corrected_rms",
     "clip_by_global_norm",
     "for_each_leaf",
     "kahan",

@@ -316,25 +316,6 @@ def test_bias_corrected_clip_changes_nothing_while_the_clip_is_idle(lagged_d):
       np.testing.assert_array_equal(a, b)
 
 
-def test_the_clip_is_optax_clip_by_block_rms_in_the_preconditioner():
-  """``update_clip`` (with ``clip_bias_correction`` off) computes what
-  chaining ``optax.clip_by_block_rms`` after the preconditioner computes:
-  prodigyopt PR #20's clip, bit for bit, on steps where it acts."""
-  xs, gs = _reference_gradients()
-  moment = ok.scale_by_factored_second_moment(0.0, 0.999, 1e-8, 1e-30)
-  inside = ok.scale_by_prodigy(moment, update_clip=0.5, slice_p=3)
-  chained = ok.scale_by_prodigy(ok.chain(moment, optax.clip_by_block_rms(0.5)),
-                                slice_p=3)
-  unclipped, _ = teacher_forced_steps(
-      ok.scale_by_prodigy(moment, slice_p=3), xs, gs)
-  (a, d_a), (b, d_b) = (teacher_forced_steps(tx, xs, gs)
-                        for tx in (inside, chained))
-  np.testing.assert_array_equal(d_a, d_b)
-  for x, y in zip(_bits(a), _bits(b)):
-    np.testing.assert_array_equal(x, y)
-  assert not np.array_equal(a["w"], unclipped["w"])  # the clip acted
-
-
 @pytest.mark.parametrize("b1", [0.0, 0.9])
 @pytest.mark.parametrize("corrected", [False, True])
 def test_the_first_step_is_clipped_at_the_bias_corrected_threshold(b1,

@@ -48,7 +48,7 @@ for name in ("adamw", "prodigy"):
         info["s"] = {k: [list(v.shape), sp(v)]
                      for k, v in inner.s.items()}
         info["row"] = {k: sp(r) for k, r in
-                       inner.preconditioner_state.row.items()
+                       inner.preconditioner_state[0].row.items()
                        if r.shape != (1,)}
       info["moved"] = bool(np.any(exact(params, state)["w1"] != host_params()["w1"]))
       report[f"{name}/{mode}"] = info

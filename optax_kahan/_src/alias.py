@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_kahan._src import per_leaf
+from optax_kahan._src.bias_corrected_clip import clip_by_bias_corrected_rms
 from optax_kahan._src.factored_second_moment import scale_by_factored_second_moment
 from optax_kahan._src.prodigy import scale_by_prodigy
 from optax_kahan._src import validation
@@ -80,7 +81,7 @@ def prodigy(
     slice_p: estimate ``d`` on every ``slice_p``-th entry of each leaf.
     factored: Adafactor's factored second moment for leaves of >= 2 dims.
     update_clip: clip each leaf's preconditioned update to this RMS
-      (``optax.clip_by_block_rms``'s rule), or None.
+      (``optax.clip_by_block_rms``), or None.
     eps2: added to ``g^2`` in the factored moment.
     lagged_d: take each step with the ``d`` known when it starts and fold
       its statistics in at the start of the next one (see
@@ -89,12 +90,11 @@ def prodigy(
     state_dtype: dtype of the per-element state (``s``, ``x0`` and the
       moments), e.g. ``jnp.bfloat16``; None follows the params (inside
       ``kahan``, float32). The factored row and column statistics stay.
-    bias_corrected_clip: clip the bias-corrected update (the threshold
-      ``update_clip (1 - b1^(k+1)) / sqrt(1 - b2^(k+1))``) rather than the
-      raw one, so that the clip tames spikes without shrinking every early
-      step, which slows or stalls d's growth (``scale_by_prodigy``). No
-      effect without ``update_clip``; bit for bit none where the plain clip
-      does not act.
+    bias_corrected_clip: clip the bias-corrected update
+      (``clip_by_bias_corrected_rms``) rather than the raw one, so that the
+      clip tames spikes without shrinking every early step, which slows or
+      stalls d's growth. No effect without ``update_clip``; none, bit for
+      bit, where the plain clip does not act.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a per-leaf form.
@@ -124,6 +124,8 @@ def prodigy(
   validation.check_beta("b2", b2)
   validation.check_positive("eps", eps)
   validation.check_positive("eps2", eps2, allow_zero=True)
+  if update_clip is not None:
+    validation.check_positive("update_clip", update_clip)
   validation.warn_low_precision_hyperparams(
       "prodigy", learning_rate=learning_rate, b1=b1, b2=b2, b3=b3, eps=eps,
       weight_decay=weight_decay, d0=d0, d_coef=d_coef)
@@ -135,6 +137,10 @@ def prodigy(
   else:
     preconditioner = scale_by_second_moment(b1, b2, eps,
                                             state_dtype=state_dtype)
+  if update_clip is not None:
+    clip = (clip_by_bias_corrected_rms(update_clip, b1, b2)
+            if bias_corrected_clip else optax.clip_by_block_rms(update_clip))
+    preconditioner = per_leaf.chain(preconditioner, clip)
   estimator = scale_by_prodigy(
       preconditioner,
       learning_rate=learning_rate,
@@ -147,9 +153,7 @@ def prodigy(
       safeguard_warmup=safeguard_warmup,
       bias_correction=(b1, b2) if use_bias_correction else None,
       lagged_d=lagged_d,
-      state_dtype=state_dtype,
-      update_clip=update_clip,
-      clip_bias_correction=(b1, b2) if bias_corrected_clip else None)
+      state_dtype=state_dtype)
   if decouple:
     return estimator
   return per_leaf.chain(optax.add_decayed_weights(weight_decay), estimator)

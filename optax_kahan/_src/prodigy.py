@@ -31,31 +31,20 @@ Reference behaviours kept on purpose:
 * A schedule is evaluated at the number of ``update`` calls, as in optax; the
   bias correction uses the number of steps taken, prodigyopt's ``k``.
 
-The update clip (``update_clip``, prodigyopt PR #20: ``P / max(1, RMS(P) /
-tau)`` per leaf) leaves ``r`` and ``s`` alone, which see the raw gradient, but
-shortens the steps, so ``<g, x0 - x>``, and with it ``d^``, grows more slowly.
-Applied to the raw direction it acts on every early step, not only on
-spikes: moments grown from zero without bias correction make ``RMS(P)``
-about ``(1 - b1^(k+1)) / sqrt(1 - b2^(k+1))`` times a steady gradient's
-(31.6 at the first step for ``b1 = 0, b2 = 0.999``), so a clip at 1 shrinks
-the first hundreds of steps up to 31.6-fold (with ``b1 = 0`` it also cancels
-the ``d_{k+1}/d_k`` factor of the step). Inside ``kahan`` that only slows the
-start. On bf16 weights stepped directly it stalls the run: steps of ``d0 lr
-= 1e-6`` are below half an ulp of every weight above ``2.6e-4`` in
-magnitude, the weights barely move, ``r`` stays near 0 and ``d`` at ``d0``
-(``benchmarks/prodigy_clip.py``: 1.2% of the weights moved after 10 steps
-against 17.5% without the clip), which is what SD3.5 text-encoder runs
-reported ("never leaves ``d0``"). ``clip_bias_correction=(b1, b2)`` clips
-the bias-corrected direction instead, the threshold ``tau (1 - b1^(k+1)) /
-sqrt(1 - b2^(k+1))``: the early steps are those of the unclipped run, a
-spike above ``tau`` times the steady RMS is still clipped, and ``d^`` stays
-Prodigy's lower bound on the distance to a solution (for a convex loss it
-holds for any sequence of iterates). Where the plain clip does not act,
-neither does this one: nothing changes, bit for bit. Letting ``s`` see the
-clip factor instead (``s`` adding ``c g``) was tried and rejected:
-re-weighting the denominator alone is no longer a bound, and on a
-least-squares problem ``d`` grew past the distance to the solution and the
-run diverged.
+Clipping the update (``optax.clip_by_block_rms`` after the preconditioner,
+prodigyopt PR #20) leaves ``r`` and ``s`` alone, which see the raw gradient,
+but shortens the steps, so ``<g, x0 - x>``, and with it ``d^``, grows more
+slowly. Without bias correction the early updates are up to ``1/sqrt(1 -
+b2) = 31.6`` times a steady gradient's, so a clip at 1 acts on every early
+step: inside ``kahan`` that slows the start; on bf16 weights stepped directly
+it stalls ``d`` at ``d0``, as SD3.5 text-encoder runs reported
+(``benchmarks/prodigy_clip.py``). ``clip_by_bias_corrected_rms`` clips the
+bias-corrected update instead, which leaves the early steps alone, and
+``d^`` stays Prodigy's lower bound (for a convex loss it holds for any
+iterates). Letting ``s`` see the clip factor instead (``s`` adding ``c g``)
+was tried and rejected: re-weighting the denominator alone is no longer a
+bound, and on a least-squares problem ``d`` grew past the distance to the
+solution and the run diverged.
 
 References:
   Mishchenko & Defazio, "Prodigy: An Expeditiously Adaptive Parameter-Free
@@ -166,8 +155,6 @@ def scale_by_prodigy(
     bias_correction: Optional[tuple[float, float]] = None,
     lagged_d: bool = False,
     state_dtype: Optional[jnp.dtype] = None,
-    update_clip: Optional[float] = None,
-    clip_bias_correction: Optional[tuple[float, float]] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Prodigy's step size ``d`` around a preconditioner; returns the final step.
 
@@ -204,17 +191,6 @@ def scale_by_prodigy(
       weights are bfloat16 (``kahan`` from zero residuals); from float32
       weights it is rounded, which shifts ``x0`` by up to half a bfloat16
       ulp. A bfloat16 ``s`` is rounded to nearest at each step.
-    update_clip: clip each leaf's preconditioned direction to this RMS
-      ``tau``: ``P / max(1, RMS(P) / tau)``, ``optax.clip_by_block_rms``'s
-      arithmetic; or None.
-    clip_bias_correction: ``(b1, b2)`` of the preconditioner's moments, to
-      clip the bias-corrected direction instead: ``tau`` becomes
-      ``tau (1 - b1^(k+1)) / sqrt(1 - b2^(k+1))``, the RMS that moments
-      grown from zero give a steady gradient at step ``k``, so the clip acts
-      on spikes rather than on every early step (module docstring). None
-      (the default) clips ``P`` itself, as prodigyopt's PR #20 does. No
-      effect without ``update_clip``; where the plain clip does not act,
-      none at all (bit for bit).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a per-leaf form (one
@@ -241,16 +217,9 @@ def scale_by_prodigy(
         f"slice_p must be a Python int >= 1 (it sets the state's shapes), got "
         f"{slice_p!r}; with optax.inject_hyperparams pass "
         "static_args=('slice_p',)")
-  if update_clip is not None:
-    validation.check_positive("update_clip", update_clip)
-  for name, betas in (("bias_correction", bias_correction),
-                      ("clip_bias_correction", clip_bias_correction)):
-    if betas is not None:
-      validation.check_beta(f"{name}[0]", betas[0])
-      validation.check_beta(f"{name}[1]", betas[1])
   hp = _Hyper(learning_rate, b3, weight_decay, d0, d_coef, growth_rate,
               slice_p, safeguard_warmup, bias_correction, lagged_d,
-              state_dtype, update_clip, clip_bias_correction)
+              state_dtype)
   preconditioner = optax.with_extra_args_support(preconditioner)
 
   def init_fn(params):
@@ -290,8 +259,6 @@ class _Hyper(NamedTuple):
   bias_correction: Optional[tuple[float, float]]
   lagged_d: bool
   state_dtype: Optional[jnp.dtype]
-  update_clip: Optional[float]
-  clip_bias_correction: Optional[tuple[float, float]]
 
 
 def _stages(hp: _Hyper, preconditioner: optax.GradientTransformationExtraArgs,
@@ -317,14 +284,11 @@ def _stages(hp: _Hyper, preconditioner: optax.GradientTransformationExtraArgs,
   dtype = state.d.dtype
   lr = jnp.asarray(lr(state.count) if callable(lr) else lr, dtype)
   d = state.d
-  correction = functools.partial(_bias_correction, k=state.k, dtype=dtype)
-  bc = 1.0 if hp.bias_correction is None else correction(hp.bias_correction)
-  clip = None  # u -> RMS(u) / threshold
-  if hp.update_clip is not None:  # optax.clip_by_block_rms's arithmetic
-    clip = lambda u: jnp.sqrt(jnp.mean(u * u)) / hp.update_clip
-    if hp.clip_bias_correction is not None:  # one scalar, multiplied
-      per_rms = correction(hp.clip_bias_correction) / hp.update_clip
-      clip = lambda u: jnp.sqrt(jnp.mean(u * u)) * per_rms.astype(u.dtype)
+  bc = 1.0
+  if hp.bias_correction is not None:
+    b1, b2 = (jnp.asarray(b, dtype) for b in hp.bias_correction)
+    kf = (state.k + 1).astype(dtype)
+    bc = jnp.sqrt(1 - b2**kf) / (1 - b1**kf)
   dlr = d * lr * bc
   weight = (d / hp.d0) * dlr
   sums_of = functools.partial(
@@ -359,8 +323,6 @@ def _stages(hp: _Hyper, preconditioner: optax.GradientTransformationExtraArgs,
       late, s = sums_of(g, x, x0, s)
     u, ps = pst.update(g, ps, x, shared.pshared, d_ratio=d_ratio,
                        d_growth=shared.d_growth, **extra)
-    if clip is not None:
-      u = u / jnp.maximum(1.0, clip(u))
     step = -dlr * (u.astype(dtype) + hp.weight_decay * x.astype(dtype))
     step = jnp.where(shared.skip | frozen, 0, step).astype(u.dtype)
     return step, (s, x0, ps, late)
@@ -393,14 +355,6 @@ def _stages(hp: _Hyper, preconditioner: optax.GradientTransformationExtraArgs,
                pst.leaf_states)), shared,
       () if hp.lagged_d else (per_leaf.Round(statistic, combine),), update,
       finish)
-
-
-def _bias_correction(betas: tuple[float, float], *, k: jax.Array,
-                     dtype: jnp.dtype) -> jax.Array:
-  """Adam's ``sqrt(1 - b2^(k+1)) / (1 - b1^(k+1))`` at step ``k``."""
-  b1, b2 = (jnp.asarray(b, dtype) for b in betas)
-  kf = (k + 1).astype(dtype)
-  return jnp.sqrt(1 - b2**kf) / (1 - b1**kf)
 
 
 def _statistics(g, x, x0, s, *, slice_p, b3, s_weight, dtype):

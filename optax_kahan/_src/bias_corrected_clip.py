@@ -1,0 +1,97 @@
+"""Update clipping measured on the bias-corrected update.
+
+Adafactor's clip (``optax.clip_by_block_rms``) divides each leaf's update by
+``max(1, RMS(u) / tau)``. After moments grown from zero without bias
+correction (Prodigy's, and ``prodigy_factored``'s ``b1 = 0`` with ``b2 =
+0.999``), a steady gradient's update has RMS about ``(1 - b1^n) / sqrt(1 -
+b2^n)`` at step ``n``: 31.6 at the first. A clip at 1 then acts on every leaf
+for the first hundreds of steps, not only on spikes, and Prodigy's ``d``
+grows that much more slowly (on bf16 weights stepped directly it stalls at
+``d0``; ``benchmarks/prodigy_clip.py``). This clip measures the update
+against that RMS::
+
+    u <- u / max(1, RMS(u) * c_n / tau),   c_n = sqrt(1 - b2^n) / (1 - b1^n)
+
+that is, it clips the bias-corrected update ``c_n u`` to ``tau`` and undoes
+the correction. Where ``optax.clip_by_block_rms(tau)`` does not act, neither
+does this one (``c_n <= 1``): the update is unchanged, bit for bit.
+
+References:
+  Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory
+  Cost", ICML 2018 (update clipping); Kingma & Ba, "Adam", ICLR 2015 (bias
+  correction).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_kahan._src import per_leaf
+from optax_kahan._src import validation
+
+
+class ClipByBiasCorrectedRmsState(NamedTuple):
+  """State of ``clip_by_bias_corrected_rms``: the number of updates."""
+  count: chex.Array  # int32 scalar
+
+
+def clip_by_bias_corrected_rms(threshold: float, b1: float, b2: float
+                               ) -> optax.GradientTransformationExtraArgs:
+  """Clips each leaf's update so that its bias-corrected RMS is at most ``threshold``.
+
+  .. math::
+
+    u_n \\leftarrow \\frac{u_n}{\\max\\big(1,\\ \\mathrm{RMS}(u_n)\\, c_n /
+    \\tau\\big)},\\quad c_n = \\frac{\\sqrt{1 - \\beta_2^n}}{1 - \\beta_1^n}
+
+  at the ``n``-th update (module docstring). Chain it after a
+  preconditioner whose moments, with decays ``b1`` and ``b2``, start at zero
+  and are not bias-corrected.
+
+  Args:
+    threshold: ``tau``, the largest bias-corrected RMS of a leaf's update.
+    b1: the preconditioner's first-moment decay (0 without one).
+    b2: its second-moment decay.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` that acts leaf by leaf.
+
+  Example:
+    >>> import optax_kahan as ok
+    >>> tx = ok.scale_by_prodigy(ok.chain(
+    ...     ok.scale_by_factored_second_moment(b1=0.0, b2=0.999),
+    ...     ok.clip_by_bias_corrected_rms(1.0, b1=0.0, b2=0.999)))
+
+  References:
+    Shazeer & Stern, 2018; Kingma & Ba, 2015.
+  """
+  validation.check_positive("threshold", threshold)
+  validation.check_beta("b1", b1)
+  validation.check_beta("b2", b2)
+
+  def init_fn(params):
+    del params
+    return ClipByBiasCorrectedRmsState(jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None):
+    del params
+    validation.check_state("clip_by_bias_corrected_rms", state,
+                           ClipByBiasCorrectedRmsState)
+    count = optax.safe_increment(state.count)
+    n = count.astype(jnp.float32)
+    correction = jnp.sqrt(1 - jnp.float32(b2)**n) / (1 - jnp.float32(b1)**n)
+    per_rms = correction / threshold  # one scalar, multiplied by each RMS
+
+    def clip(u):
+      rms = jnp.sqrt(jnp.mean(u * u))
+      return u / jnp.maximum(1.0, rms * per_rms.astype(u.dtype))
+
+    return jax.tree.map(clip, updates), ClipByBiasCorrectedRmsState(count)
+
+  return per_leaf.leaf_by_leaf(optax.GradientTransformation(init_fn,
+                                                            update_fn))
