@@ -867,6 +867,7 @@ def bits_differ(a: Params, b: Params) -> int:
 
 def plot_loss_curves(path: pathlib.Path, results: dict[str, PolishResult],
                      pretrained_loss: float, title: str) -> None:
+  """Held-out loss per rule, and each rule's training loss minus float32's."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -874,21 +875,39 @@ def plot_loss_curves(path: pathlib.Path, results: dict[str, PolishResult],
   colors = {"float32": "black", "nearest": "tab:red",
             "stochastic": "tab:orange", "kahan": "tab:blue"}
   styles = {"float32": "-", "nearest": "-", "stochastic": "-", "kahan": "--"}
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+  ref_res = results.get("float32")
+
+  def label(rule: str) -> str:
+    # A rule whose curves are float32's, value for value, hides under its
+    # line: say so in the legend.
+    if (rule != "float32" and ref_res is not None
+        and res_equal(results[rule], ref_res)):
+      return f"{rule} (identical to float32)"
+    return rule
+
+  def res_equal(a: PolishResult, b: PolishResult) -> bool:
+    return (np.array_equal(a.train_loss, b.train_loss)
+            and np.array_equal(a.eval_loss, b.eval_loss))
+
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2),
+                                 layout="constrained")
   for rule, res in results.items():
     ax1.plot(res.eval_steps, res.eval_loss, styles[rule], color=colors[rule],
-             label=rule, lw=2 if rule == "kahan" else 1.5)
+             label=label(rule), lw=2 if rule == "kahan" else 1.5)
   ax1.axhline(pretrained_loss, color="grey", lw=0.8, ls=":",
-              label="pretrained")
+              label="pretrained (step 0)")
   ax1.set_xlabel("polish step")
-  ax1.set_ylabel("held-out loss (fixed noise and t)")
-  ax1.set_title("held-out loss")
-  ax1.legend()
+  ax1.set_ylabel("held-out flow-matching loss\n"
+                 r"(mean squared velocity error, fixed noise and $t$)")
+  ax1.set_title("held-out loss during the polish (bf16 forward; lower is "
+                "better)")
+  ax1.ticklabel_format(axis="y", useOffset=False)
+  ax1.grid(alpha=0.3)
+  ax1.legend(title="update rule", fontsize=9)
   # Every rule sees the same batches, so batch-to-batch noise cancels in the
   # difference to the float32 rule's training loss.
   window = 25
-  ref = (np.asarray(results["float32"].train_loss) if "float32" in results
-         else None)
+  ref = np.asarray(ref_res.train_loss) if ref_res is not None else None
   for rule, res in results.items():
     y = np.asarray(res.train_loss)
     if ref is not None:
@@ -896,22 +915,37 @@ def plot_loss_curves(path: pathlib.Path, results: dict[str, PolishResult],
     if len(y) >= window:
       y = np.convolve(y, np.ones(window) / window, mode="valid")
     x = np.arange(len(res.train_loss) - len(y) + 1, len(res.train_loss) + 1)
-    ax2.plot(x, y, styles[rule], color=colors[rule], label=rule,
+    ax2.plot(x, y, styles[rule], color=colors[rule], label=label(rule),
              lw=2 if rule == "kahan" else 1.5)
   ax2.set_xlabel("polish step")
-  what = "training loss" + (" - float32's" if ref is not None else "")
-  ax2.set_ylabel(f"{what} ({window}-step mean)")
-  ax2.set_title(what + ", same batches")
-  ax2.legend()
+  n_steps = max(len(res.train_loss) for res in results.values())
+  mean = f"{window}-step running mean" if n_steps >= window else "per step"
+  if ref is not None:
+    ax2.axhline(0.0, color="grey", lw=0.8, ls=":")
+    ax2.set_title("training loss: difference from float32 master weights\n"
+                  "(same batches and noise; > 0: worse than float32)")
+    ax2.set_ylabel("training loss − float32 rule's"
+                   + f"\n({mean})")
+  else:
+    ax2.set_title("training loss (same batches and noise)")
+    ax2.set_ylabel(f"training loss\n({mean})")
+  ax2.grid(alpha=0.3)
+  ax2.legend(title="update rule", fontsize=9)
   fig.suptitle(title)
-  fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
 def plot_samples(path: pathlib.Path, samples: dict[str, np.ndarray],
                  title: str) -> None:
-  """One panel of samples per model, and below it its change vs pretrained."""
+  """Samples per model (same noise), their change, and their gap to float32.
+
+  Row 1: the samples. Row 2: ``|sample - sample_pretrained|``, what the polish
+  changed. Row 3: ``sample - sample_float32``, where each rule's samples part
+  from the float32 master weights' (absent without a float32 rule). Rows 2
+  and 3 each share one colour scale across the models, a square-root one (a
+  few pixels change by far the most).
+  """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -924,28 +958,89 @@ def plot_samples(path: pathlib.Path, samples: dict[str, np.ndarray],
     return x.reshape(rows, cols, h + 2, w + 2).transpose(0, 2, 1, 3).reshape(
         rows * (h + 2), cols * (w + 2))
 
+  def cmap(name: str, bad: str):
+    # bad: the colour of the gaps (NaN) between the digits.
+    return matplotlib.colormaps[name].with_extremes(bad=bad)
+
+  def ticks(top: float, signed: bool) -> list[float]:
+    # Square-root scale: ticks spread over the decades, not bunched at the top.
+    t = [x for x in ((0.05,) if signed else (0.01, 0.05)) + (0.2, 0.5, 1, 2)
+         if x <= top * 1.001]
+    return ([-x for x in reversed(t)] if signed else []) + [0.0] + t
+
+  def signed_sqrt(x):
+    return np.sign(x) * np.sqrt(np.abs(x))
+
+  def reference(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=10,
+            color="0.35", transform=ax.transAxes, wrap=True)
+    for s in ax.spines.values():
+      s.set_visible(False)
+
   names = list(samples)
   base = samples["pretrained"]
+  ref = samples.get("float32")
   cols = int(math.sqrt(base.shape[0]))
-  fig, axes = plt.subplots(2, len(names), figsize=(2.8 * len(names), 6.4),
-                           squeeze=False)
-  diff_max = max(float(np.max(np.abs(s - base))) for s in samples.values())
-  diff_max = diff_max or 1.0
+  n_rows = 3 if ref is not None else 2
+  fig, axes = plt.subplots(n_rows, len(names),
+                           figsize=(2.9 * len(names) + 1.6, 3.2 * n_rows + 0.8),
+                           squeeze=False, layout="constrained")
+  change = {k: np.abs(v - base) for k, v in samples.items()}
+  change_max = max(float(d.max()) for d in change.values()) or 1.0
+  gap = ({k: v - ref for k, v in samples.items()} if ref is not None else {})
+  gap_max = max((float(np.abs(d).max()) for d in gap.values()),
+                default=0.0) or 1.0
   for j, name in enumerate(names):
-    img = np.clip(samples[name], -1, 1)
-    axes[0, j].imshow(grid(img, cols), cmap="gray_r", vmin=-1, vmax=1,
-                      interpolation="nearest")
-    axes[0, j].set_title(name)
-    d = np.abs(samples[name] - base)
-    axes[1, j].imshow(grid(d, cols), cmap="magma", vmin=0, vmax=diff_max,
-                      interpolation="nearest")
-    axes[1, j].set_title(f"|change|, mean {d.mean():.3g}", fontsize=9)
+    im0 = axes[0, j].imshow(grid(np.clip(samples[name], -1, 1), cols),
+                            cmap=cmap("gray_r", "white"), vmin=-1, vmax=1,
+                            interpolation="nearest")
+    axes[0, j].set_title(name, fontsize=12, fontweight="bold")
+    if name == "pretrained":
+      reference(axes[1, j], "reference\nfor this row")
+    else:
+      d = change[name]
+      im1 = axes[1, j].imshow(grid(d, cols), cmap=cmap("magma", "0.75"),
+                              norm=matplotlib.colors.PowerNorm(
+                                  0.5, vmin=0, vmax=change_max),
+                              interpolation="nearest")
+      axes[1, j].set_title(f"max {d.max():.3g}, mean {d.mean():.3g}",
+                           fontsize=9)
+    if ref is not None:
+      if name == "float32":
+        reference(axes[2, j], "reference\nfor this row")
+      else:
+        d = gap[name]
+        m = float(np.abs(d).max())
+        im2 = axes[2, j].imshow(grid(d, cols), cmap=cmap("RdBu_r", "0.75"),
+                                norm=matplotlib.colors.FuncNorm(
+                                    (signed_sqrt, lambda y: np.sign(y) * y**2),
+                                    vmin=-gap_max, vmax=gap_max),
+                                interpolation="nearest")
+        axes[2, j].set_title(
+            "max |diff| = 0: identical" if m == 0 else
+            f"max |diff| {m:.3g}, mean {np.abs(d).mean():.3g}", fontsize=9,
+            fontweight="bold" if m == 0 else "normal")
     for ax in axes[:, j]:
       ax.set_xticks([])
       ax.set_yticks([])
-  axes[1, 0].set_ylabel("vs pretrained")
-  fig.suptitle(title)
-  fig.tight_layout()
+  axes[0, 0].set_ylabel("samples", fontsize=11)
+  axes[1, 0].set_ylabel("|sample − pretrained's|\n(what the polish changed)",
+                        fontsize=11)
+  fig.colorbar(im0, ax=axes[0, :], shrink=0.9, pad=0.01,
+               label="pixel value\n(-1 blank, 1 ink)")
+  fig.colorbar(im1, ax=axes[1, :], shrink=0.9, pad=0.01,
+               ticks=ticks(change_max, signed=False),
+               label="|sample − pretrained's|\n(pixel values, square-root "
+               "scale)")
+  if ref is not None:
+    axes[2, 0].set_ylabel("sample − float32's\n(gap to float32 master "
+                          "weights)", fontsize=11)
+    fig.colorbar(im2, ax=axes[2, :], shrink=0.9, pad=0.01,
+                 ticks=ticks(gap_max, signed=True),
+                 label="sample − float32's (pixel values,\nsigned "
+                 "square-root scale; red: more ink)")
+  fig.suptitle(title + "\nsame noise for every model; rows 2 and 3 each on "
+               "one colour scale shared by all its panels", fontsize=12)
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
@@ -1088,11 +1183,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
   for rule, res in results.items():
     samples[rule] = np.asarray(sample(res.forward, noise, **sample_kw))
 
-  title = (f"polish of a pretrained flow-matching UNet ({n_params:,} params): "
-           f"{args.optimizer} lr={args.lr:g}, {args.steps} steps, "
-           "bf16 forward")
-  plot_loss_curves(out / "loss_curves.png", results, pre_loss, title)
-  plot_samples(out / "samples.png", samples, "samples, same noise: " + title)
+  run = (f"{args.optimizer} lr={args.lr:g}, {args.steps} steps, batch "
+         f"{args.batch_size}; bf16 forward pass under every rule")
+  plot_loss_curves(
+      out / "loss_curves.png", results, pre_loss,
+      f"Polish of a pretrained flow-matching UNet ({n_params:,} params) on "
+      f"8x8 digits under {len(results)} update rule"
+      f"{'s' if len(results) > 1 else ''}\n{run}")
+  plot_samples(
+      out / "samples.png", samples,
+      f"{args.num_samples} samples ({args.sample_steps} Euler steps) of the "
+      f"pretrained and polished UNets ({n_params:,} params)\n{run}")
 
   summary = {
       "command": "python examples/finetune_diffusion.py " + " ".join(

@@ -37,6 +37,10 @@ def test_starts_from_the_exact_float32_weights_and_trains():
 
   new = train_step(state)
   assert new.step == 1 and new.params["kernel"].dtype == jnp.bfloat16
+  # The step count starts committed with the params: the step compiles once.
+  assert state.step.committed
+  train_step(new)
+  assert train_step._cache_size() == 1
 
 
 def test_needs_a_kahan_transformation():

@@ -177,8 +177,8 @@ def kahan_apply_updates(
     >>> res = kahan_init(params, offload=False)
     >>> for _ in range(100):
     ...   params, res = kahan_apply_updates(params, {"w": jnp.full(3, 1e-4)}, res)
-    >>> kahan_to_float32(params, res)["w"][0]  # 1 + 100 * 1e-4, in float32
-    Array(1.01, dtype=float32)
+    >>> kahan_to_float32(params, res)["w"][0]  # 1 + 1e-4 + ... + 1e-4, in float32
+    Array(1.0100017, dtype=float32)
   """
   bits.check_rounding(rounding)
   lows = _check_residuals(params, residuals)

@@ -403,4 +403,5 @@ def prodigy_d(opt_state: optax.OptState) -> jax.Array:
   found = validation.find(opt_state, ScaleByProdigyState)
   if not found:
     raise ValueError("no ScaleByProdigyState in this optimizer state")
-  return found[0].d
+  (d,) = jax.tree.leaves(found[0].d)
+  return d

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
 from optax_kahan._src.bits import Rounding
 from optax_kahan._src.kahan import kahan_from_float32
+from optax_kahan._src.leaves import commit_with
 
 
 def kahan_train_state(
@@ -44,8 +46,10 @@ def kahan_train_state(
     **kwargs: further fields of ``state_class``.
 
   Returns:
-    ``state_class(step=0, apply_fn, params=bf16 params, tx,
-    opt_state=tx.init(params, residuals), **kwargs)``.
+    ``state_class(step, apply_fn, params=bf16 params, tx,
+    opt_state=tx.init(params, residuals), **kwargs)``, with ``step`` an
+    int32 zero committed where the params are, so that the jitted step
+    compiles once.
 
   Raises:
     TypeError: if ``tx.init`` does not take residuals (``tx`` is not
@@ -71,5 +75,8 @@ def kahan_train_state(
         "kahan_train_state needs tx = kahan(...), whose init takes the "
         f"residuals ({e}); put the whole pipeline inside kahan") from e
   state_class = state_class or train_state.TrainState
-  return state_class(step=0, apply_fn=apply_fn, params=params, tx=tx,
+  # The step count is committed where the params are, as the opt_state is:
+  # an uncommitted count would make the jitted step compile twice.
+  step = commit_with(jnp.zeros((), jnp.int32), params, "kahan_train_state")
+  return state_class(step=step, apply_fn=apply_fn, params=params, tx=tx,
                      opt_state=opt_state, **kwargs)

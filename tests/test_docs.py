@@ -1,0 +1,232 @@
+"""The documentation: the site builds, covers the API, links resolve, code runs.
+
+* The Sphinx site (``docs/``) builds with warnings as errors, as in
+  ``python -m sphinx -W -b html docs docs/_build/html``.
+* Its API reference has an entry for every name in ``optax_kahan.__all__``.
+* Every page has a body, the search index lists every page, and every
+  internal link (file and anchor) of the built site resolves.
+* Every ``python`` block of the README and of the docs runs as a complete
+  program, in a namespace of its own, with the package's warnings as errors,
+  and every function it defines compiles at most once. A block preceded by
+  ``<!-- test: slow -->`` runs in the slow suite.
+* The docstrings' examples run (doctest), with their output checked.
+"""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import html.parser
+import logging
+import pathlib
+import re
+import subprocess
+import sys
+import urllib.parse
+
+import jax
+import pytest
+
+import optax_kahan as ok
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = sorted([ROOT / "README.md"] + [p for p in DOCS.rglob("*.md")
+                                       if "_build" not in p.parts])
+_BLOCK = re.compile(r"(<!-- test: slow -->\n)?^```python\n(.*?)^```", re.S | re.M)
+
+
+def _blocks() -> list:
+  params = []
+  for page in PAGES:
+    text = page.read_text()
+    for m in _BLOCK.finditer(text):
+      line = text.count("\n", 0, m.start(2))
+      name = f"{page.relative_to(ROOT)}:{line}"
+      marks = [pytest.mark.slow] if m.group(1) else []
+      params.append(pytest.param(m.group(2), id=name, marks=marks))
+  return params
+
+
+class _Compiles(logging.Handler):
+  """Collects the names of the functions ``jax.log_compiles`` says it compiles."""
+
+  def __init__(self):
+    super().__init__(logging.DEBUG)
+    self.names: list[str] = []
+
+  def emit(self, record: logging.LogRecord) -> None:
+    m = re.match(r"Compiling jit\((\w+)\)", record.getMessage())
+    if m:
+      self.names.append(m.group(1))
+
+
+@pytest.mark.parametrize("source", _blocks())
+def test_code_block_runs_and_compiles_its_steps_once(source, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  defined = {node.name for node in ast.walk(ast.parse(source))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+  handler = _Compiles()
+  logger = logging.getLogger("jax")
+  old_level = logger.level
+  logger.addHandler(handler)
+  logger.setLevel(logging.DEBUG)
+  try:
+    with jax.log_compiles():
+      exec(compile(source, "<block>", "exec"), {"__name__": "__main__"})
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+  for name in defined:
+    assert handler.names.count(name) <= 1, (
+        f"{name} compiled {handler.names.count(name)} times")
+
+
+def test_blocks_were_found():
+  ids = [p.id for p in _blocks()]
+  assert any(i.startswith("README.md") for i in ids)
+  assert sum(i.startswith("docs") for i in ids) >= 10
+
+
+def test_readme_is_short_and_answers_the_card_question():
+  text = (ROOT / "README.md").read_text()
+  assert len(text.splitlines()) <= 200
+  assert "Which setup for my card" in text
+  for card in ("12, 16, 24 GB", "32 GB", "48 GB", "80 GB"):
+    assert f"| {card} |" in text
+
+
+def _public_docstring_examples() -> list:
+  finder = doctest.DocTestFinder(recurse=False)
+  tests = []
+  for name in ok.__all__:
+    obj = getattr(ok, name)
+    module = sys.modules[obj.__module__]
+    # The names an example may use unimported: its module's, the public API's
+    # and the usual aliases.
+    globs = {**vars(module), **{n: getattr(ok, n) for n in ok.__all__},
+             "jax": jax, "jnp": jax.numpy, "ok": ok,
+             "optax": __import__("optax")}
+    for t in finder.find(obj, name, globs=globs):
+      if t.examples:
+        tests.append(pytest.param(t, id=name))
+  return tests
+
+
+# The docstrings' examples are short and run eagerly, on params they do not
+# commit: the warning that a jitted step would compile twice does not apply.
+@pytest.mark.filterwarnings("ignore:.*params are not committed")
+@pytest.mark.parametrize("test", _public_docstring_examples())
+def test_docstring_example_runs(test):
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS
+                                 | doctest.NORMALIZE_WHITESPACE)
+  runner.run(test)
+  assert runner.failures == 0, f"{test.name}: see the doctest output above"
+
+
+# -- the built site ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+  out = tmp_path_factory.mktemp("html")
+  done = subprocess.run(
+      [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b",
+       "html", str(DOCS), str(out)], capture_output=True, text=True,
+      cwd=ROOT)
+  assert done.returncode == 0, done.stdout + done.stderr
+  return out
+
+
+class _Page(html.parser.HTMLParser):
+  """The ids, the links and the text of the main content of a built page."""
+
+  def __init__(self):
+    super().__init__()
+    self.ids: set[str] = set()
+    self.links: list[str] = []
+    self.text: list[str] = []
+    self._in_article = 0
+
+  def handle_starttag(self, tag, attrs):
+    attrs = dict(attrs)
+    if "id" in attrs:
+      self.ids.add(attrs["id"])
+    if tag == "a" and attrs.get("href"):
+      self.links.append(attrs["href"])
+    if tag == "article":
+      self._in_article += 1
+
+  def handle_endtag(self, tag):
+    if tag == "article":
+      self._in_article -= 1
+
+  def handle_data(self, data):
+    if self._in_article:
+      self.text.append(data)
+
+
+def _parse(path: pathlib.Path) -> _Page:
+  page = _Page()
+  page.feed(path.read_text())
+  return page
+
+
+def test_api_reference_covers_all_public_names(site):
+  ids = _parse(site / "api.html").ids
+  missing = [n for n in ok.__all__ if f"optax_kahan.{n}" not in ids]
+  assert not missing, f"no API entry for {missing}"
+
+
+def test_pages_render_and_are_searchable(site):
+  sources = [p.relative_to(DOCS).with_suffix("") for p in DOCS.rglob("*.md")
+             if "_build" not in p.parts]
+  index = (site / "searchindex.js").read_text()
+  for source in sources:
+    page = _parse(site / source.with_suffix(".html"))
+    assert len("".join(page.text).split()) > 50, f"{source}: nearly empty"
+    assert f'"{source.as_posix()}"' in index, f"{source}: not in the search index"
+
+
+def test_internal_links_resolve(site):
+  pages = {p: _parse(p) for p in site.rglob("*.html")}
+  broken = []
+  for path, page in pages.items():
+    for href in page.links:
+      url = urllib.parse.urlparse(href)
+      if url.scheme or url.netloc:
+        continue
+      target = (path.parent / url.path).resolve() if url.path else path
+      if target.is_dir():
+        target = target / "index.html"
+      if not target.exists():
+        broken.append(f"{path.relative_to(site)} -> {href}")
+        continue
+      if url.fragment and target.suffix == ".html":
+        ids = pages[target].ids if target in pages else _parse(target).ids
+        if url.fragment not in ids:
+          broken.append(f"{path.relative_to(site)} -> {href}")
+  assert not broken, broken
+
+
+def _slug(heading: str) -> str:
+  """GitHub's anchor of a Markdown heading (MyST's ``myst_heading_anchors``)."""
+  text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+  return text.replace(" ", "-")
+
+
+def test_readme_links_resolve():
+  text = (ROOT / "README.md").read_text()
+  broken = []
+  for href in re.findall(r"\]\(([^)\s]+)\)", text):
+    url = urllib.parse.urlparse(href)
+    if url.scheme or url.netloc:
+      continue
+    target = ROOT / url.path if url.path else ROOT / "README.md"
+    if not target.exists():
+      broken.append(href)
+    elif url.fragment:
+      headings = re.findall(r"^#+ (.*)$", target.read_text(), re.M)
+      if url.fragment not in {_slug(h) for h in headings}:
+        broken.append(href)
+  assert not broken, broken
