@@ -876,18 +876,14 @@ def plot_loss_curves(path: pathlib.Path, results: dict[str, PolishResult],
             "stochastic": "tab:orange", "kahan": "tab:blue"}
   styles = {"float32": "-", "nearest": "-", "stochastic": "-", "kahan": "--"}
   ref_res = results.get("float32")
-
-  def label(rule: str) -> str:
-    # A rule whose curves are float32's, value for value, hides under its
-    # line: say so in the legend.
-    if (rule != "float32" and ref_res is not None
-        and res_equal(results[rule], ref_res)):
-      return f"{rule} (identical to float32)"
-    return rule
-
-  def res_equal(a: PolishResult, b: PolishResult) -> bool:
-    return (np.array_equal(a.train_loss, b.train_loss)
-            and np.array_equal(a.eval_loss, b.eval_loss))
+  # A rule whose curves are float32's, value for value, hides under its line:
+  # the legend says so.
+  identical = {rule for rule, res in results.items()
+               if rule != "float32" and ref_res is not None
+               and np.array_equal(res.train_loss, ref_res.train_loss)
+               and np.array_equal(res.eval_loss, ref_res.eval_loss)}
+  label = lambda rule: (f"{rule} (identical to float32)" if rule in identical
+                        else rule)
 
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2),
                                  layout="constrained")

@@ -25,6 +25,7 @@ import sys
 import urllib.parse
 
 import jax
+import optax
 import pytest
 
 import optax_kahan as ok
@@ -61,11 +62,8 @@ class _Compiles(logging.Handler):
       self.names.append(m.group(1))
 
 
-@pytest.mark.parametrize("source", _blocks())
-def test_code_block_runs_and_compiles_its_steps_once(source, monkeypatch):
-  monkeypatch.chdir(ROOT)
-  defined = {node.name for node in ast.walk(ast.parse(source))
-             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+def _run_counting_compiles(source: str) -> list[str]:
+  """Runs ``source`` in a namespace of its own; the names jax compiled."""
   handler = _Compiles()
   logger = logging.getLogger("jax")
   old_level = logger.level
@@ -77,9 +75,31 @@ def test_code_block_runs_and_compiles_its_steps_once(source, monkeypatch):
   finally:
     logger.removeHandler(handler)
     logger.setLevel(old_level)
+  return handler.names
+
+
+@pytest.mark.parametrize("source", _blocks())
+def test_code_block_runs_and_compiles_its_steps_once(source, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  defined = {node.name for node in ast.walk(ast.parse(source))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+  compiled = _run_counting_compiles(source)
   for name in defined:
-    assert handler.names.count(name) <= 1, (
-        f"{name} compiled {handler.names.count(name)} times")
+    assert compiled.count(name) <= 1, (
+        f"{name} compiled {compiled.count(name)} times")
+
+
+def test_the_compile_count_sees_a_second_compilation():
+  # The count above reads jax.log_compiles' messages: if their wording
+  # changed, it would see nothing and pass for anything. It must see this.
+  compiled = _run_counting_compiles(
+      "import jax, jax.numpy as jnp\n"
+      "@jax.jit\n"
+      "def step(x):\n"
+      "  return x + 1\n"
+      "step(jnp.ones(3))\n"
+      "step(jnp.ones(4))\n")
+  assert compiled.count("step") == 2
 
 
 def test_blocks_were_found():
@@ -105,8 +125,7 @@ def _public_docstring_examples() -> list:
     # The names an example may use unimported: its module's, the public API's
     # and the usual aliases.
     globs = {**vars(module), **{n: getattr(ok, n) for n in ok.__all__},
-             "jax": jax, "jnp": jax.numpy, "ok": ok,
-             "optax": __import__("optax")}
+             "jax": jax, "jnp": jax.numpy, "ok": ok, "optax": optax}
     for t in finder.find(obj, name, globs=globs):
       if t.examples:
         tests.append(pytest.param(t, id=name))
