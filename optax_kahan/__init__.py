@@ -16,6 +16,7 @@ from optax_kahan._src.blockwise import BlockwiseState
 from optax_kahan._src.blockwise import linen_apply
 from optax_kahan._src.blockwise import nnx_blockwise
 from optax_kahan._src.blockwise import num_blocks
+from optax_kahan._src.blockwise import stream_blocks
 from optax_kahan._src.coupled import apply_if_finite
 from optax_kahan._src.coupled import clip_by_global_norm
 from optax_kahan._src.factored_second_moment import scale_by_factored_second_moment
@@ -105,5 +106,6 @@ __all__ = (
     "stochastic_round",
     "stochastic_round_apply_updates",
     "stochastic_rounding",
+    "stream_blocks",
     "stable_adamw",
 )

@@ -82,7 +82,9 @@ class BlockwiseModel(NamedTuple):
     head: ``head(head_params, carry, consts, batch) -> loss``, a scalar.
     transitions: none, or one function per pair of consecutive stacks,
       ``transition(carry, consts) -> carry``, run after stack ``s`` (the
-      next stack's carry may have another structure).
+      next stack's carry may have another structure), or None where
+      nothing runs (between the parts of a stack that ``stream_blocks``
+      split).
   """
   embed: Callable[[Any, Batch], tuple[Carry, Consts]]
   blocks: tuple[Callable[[Any, Carry, Consts], Carry], ...]
@@ -238,6 +240,84 @@ def num_blocks(stack: Any) -> int:
   return jnp.shape(jax.tree.leaves(stack)[0])[0]
 
 
+def _part(x: Any, start: int, stop: int, host: bool) -> Any:
+  """Blocks ``start:stop`` of a stacked leaf (an array or an abstract
+  ``jax.ShapeDtypeStruct``), in host memory if ``host``."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    sharding = x.sharding
+    if host and sharding is not None:
+      sharding = sharding.with_memory_kind("pinned_host")
+    return jax.ShapeDtypeStruct((stop - start, *x.shape[1:]), x.dtype,
+                                sharding=sharding)
+  part = x[start:stop]
+  return per_leaf.to_host(part) if host else part
+
+
+def stream_blocks(
+    model: BlockwiseModel, params: BlockwiseParams, state: BlockwiseState,
+    num_streamed: Sequence[int],
+) -> tuple[BlockwiseModel, BlockwiseParams, BlockwiseState]:
+  """Moves the last blocks of each stack, weights and state, to host memory.
+
+  ``blockwise_step`` streams every stack whose leaves live in host memory
+  (``pinned_host``): the forward pass fetches block ``i + 1``'s weights
+  while block ``i`` computes, and the backward pass fetches block ``i - 1``'s
+  weights, state and residuals while block ``i`` computes and writes block
+  ``i + 1``'s new ones back. The device then holds a few blocks of those
+  stacks instead of all of them (sd-scripts' ``--blocks_to_swap``, applied
+  to the optimizer state and ``kahan``'s residuals too). Stack ``s`` with
+  ``0 < num_streamed[s] < num_blocks`` becomes two stacks run one after
+  the other with no transition between them: its first blocks on the
+  device, its last ``num_streamed[s]`` in host memory. The arithmetic is
+  unchanged: the step computes what it computes without streaming, bit for
+  bit.
+
+  Call it after ``blockwise_init`` (on arrays, or on abstract
+  ``jax.ShapeDtypeStruct`` leaves to compile ahead). The result's stacks
+  are the parts; join a stack's two parts with ``jnp.concatenate`` on each
+  leaf to write the weights back into the model.
+
+  Args:
+    model: the model's functions.
+    params: a ``BlockwiseParams``.
+    state: its ``BlockwiseState`` (from ``blockwise_init``).
+    num_streamed: per stack, how many of its last blocks live in host
+      memory (0 to its number of blocks).
+
+  Returns:
+    ``(model, params, state)`` with the stacks split and placed.
+
+  Raises:
+    ValueError: for a count per stack that does not fit.
+  """
+  _check_params(model, params)
+  if len(num_streamed) != len(params.stacks) or len(state.stacks) != len(
+      params.stacks):
+    raise ValueError(
+        f"stream_blocks: num_streamed has {len(num_streamed)} entries and "
+        f"state {len(state.stacks)} stacks, for {len(params.stacks)} stacks")
+  blocks, transitions, stacks, states = [], [], [], []
+  for s, (k, stack, stack_state) in enumerate(
+      zip(num_streamed, params.stacks, state.stacks)):
+    n = num_blocks(stack)
+    if not 0 <= k <= n:
+      raise ValueError(f"stream_blocks: num_streamed[{s}] = {k}, but stack "
+                       f"{s} has {n} blocks")
+    parts = [(a, b) for a, b in ((0, n - k), (n - k, n)) if a < b]
+    for j, (a, b) in enumerate(parts):
+      if blocks:  # what runs between this part and the one before it
+        transitions.append(None if j else model.transition(s - 1))
+      host = a == n - k
+      blocks.append(model.blocks[s])
+      stacks.append(jax.tree.map(lambda x: _part(x, a, b, host), stack))
+      states.append(jax.tree.map(lambda x: _part(x, a, b, host),
+                                 stack_state))
+  return (BlockwiseModel(model.embed, tuple(blocks), model.head,
+                         tuple(transitions)),
+          BlockwiseParams(params.embed, tuple(stacks), params.head),
+          BlockwiseState(state.embed, tuple(states), state.head))
+
+
 def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
                    *args: BlockwiseParams) -> BlockwiseState:
   """``tx``'s state for each group: the embedding, every block, the head.
@@ -286,12 +366,58 @@ def blockwise_loss(model: BlockwiseModel, params: BlockwiseParams,
   _check_params(model, params)
   carry, consts = model.embed(params.embed, batch)
   for s, (block, stack) in enumerate(zip(model.blocks, params.stacks)):
-    block = jax.checkpoint(block)
-    carry, _ = lax.scan(lambda c, p, block=block: (block(p, c, consts), None),
-                        carry, stack)
+    carry, _ = _forward_stack(jax.checkpoint(block), stack, carry, consts)
     if model.transition(s) is not None:
       carry = model.transition(s)(carry, consts)
   return model.head(params.head, carry, consts, batch)
+
+
+def _take(tree: Any, i: jax.Array) -> Any:
+  return jax.tree.map(
+      lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+def _fetch(leaves: list[Any], i: jax.Array) -> list[Any]:
+  """Block ``i`` of each stacked host leaf, brought into device memory
+  (None for device leaves, sliced where they are used)."""
+  return [per_leaf.to_device(lax.dynamic_index_in_dim(x, i, keepdims=False))
+          if per_leaf.on_host(x) else None for x in leaves]
+
+
+def _block_of(leaves: list[Any], staged: list[Any], i: jax.Array
+              ) -> list[Any]:
+  """Block ``i``: host leaves from ``staged`` (fetched ahead), the others
+  sliced from their stacks."""
+  return [y if per_leaf.on_host(x)
+          else lax.dynamic_index_in_dim(x, i, keepdims=False)
+          for x, y in zip(leaves, staged)]
+
+
+def _write_back(leaves: list[Any], pending: list[Any], i: jax.Array
+                ) -> list[Any]:
+  """The host leaves with block ``i`` set to ``pending``'s values, sent back
+  to host memory."""
+  return [lax.dynamic_update_index_in_dim(x, per_leaf.to_host(p), i, 0)
+          if per_leaf.on_host(x) else x for x, p in zip(leaves, pending)]
+
+
+def _forward_stack(block, stack, carry, consts):
+  """``lax.scan`` of ``block`` over a stack; the carries that enter each
+  block are returned stacked. Leaves in host memory (streamed weights) are
+  fetched one block ahead: block ``i + 1``'s copy runs during block ``i``'s
+  compute (the last iteration fetches its own block again)."""
+  leaves, treedef = jax.tree.flatten(stack)
+  last = num_blocks(stack) - 1
+
+  def body(loop, i):
+    c, staged = loop
+    ahead = _fetch(leaves, jnp.minimum(i + 1, last))
+    params = treedef.unflatten(_block_of(leaves, staged, i))
+    return (block(params, c, consts), ahead), c
+
+  (carry, _), saved = lax.scan(body, (carry, _fetch(leaves, 0)),
+                               jnp.arange(last + 1))
+  return carry, saved
 
 
 def _update(tx: optax.GradientTransformation, grads: Any, state: Any,
@@ -359,32 +485,51 @@ def _backward_stack(tx, block, stack, stack_state, inputs, consts, ct):
   Returns the carry's cotangent, the sum of the blocks' cotangents of
   ``consts`` (from zero in this order, as JAX's transpose of ``lax.scan``:
   ``blockwise_loss``'s gradient bit for bit), and the new stack and state.
+
+  Leaves of the stack and its state that live in host memory (``kahan``'s
+  residuals; streamed weights and state) are software-pipelined: while block
+  ``i`` computes, block ``i - 1``'s are copied in and block ``i + 1``'s new
+  ones are written back, so both PCIe directions run beside the compute.
+  Each leaf's copy in reads the stack its write-back produced (different
+  blocks, in that order), so XLA keeps one buffer per host stack and copies
+  none; the leaves' copies interleave. The first iteration writes back block
+  ``n - 1``'s old values (fetched before the loop) and the last fetches block
+  0 again: one block of each direction more than needed per stack.
   """
-  n = num_blocks(stack)
-  take = lambda tree, i: jax.tree.map(
-      lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
-  put = lambda tree, new, i: jax.tree.map(
-      lambda x, y: lax.dynamic_update_index_in_dim(x, y, i, 0), tree, new)
+  leaves, treedef = jax.tree.flatten((stack, stack_state))
+  last = num_blocks(stack) - 1
 
   def body(j, loop):
-    ct, ct_consts, stack, stack_state = loop
-    i = n - 1 - j
-    params = take(stack, i)
-    _, vjp = jax.vjp(block, params, take(inputs, i), consts)
+    ct, ct_consts, leaves, staged, pending = loop
+    i = last - j
+    # Block i + 1's new host leaves go back, then block i - 1's come in.
+    leaves = _write_back(leaves, pending, jnp.minimum(i + 1, last))
+    ahead = _fetch(leaves, jnp.maximum(i - 1, 0))
+    params, state = treedef.unflatten(_block_of(leaves, staged, i))
+    _, vjp = jax.vjp(block, params, _take(inputs, i), consts)
     grads, ct, ct_block = vjp(ct)
     # On the CPU, XLA would fuse the block's update into the stacks' in-place
     # writes, recomputing the new moments there from the old stacked ones,
     # and then copy every stack the loop carries; an island prevents it.
-    params, state = per_leaf.apart_on_cpu(
-        functools.partial(_update, tx), grads, take(stack_state, i), params)
-    return (ct, _add_cotangents(ct_consts, ct_block), put(stack, params, i),
-            put(stack_state, state, i))
+    with validation.staged_by_caller():
+      new = jax.tree.leaves(per_leaf.apart_on_cpu(
+          functools.partial(_update, tx), grads, state, params))
+    pending = [y if per_leaf.on_host(x) else None
+               for x, y in zip(leaves, new)]
+    leaves = [x if per_leaf.on_host(x)
+              else lax.dynamic_update_index_in_dim(x, y, i, 0)
+              for x, y in zip(leaves, new)]
+    return ct, _add_cotangents(ct_consts, ct_block), leaves, ahead, pending
 
   zeros = jax.tree.map(
       lambda x: jnp.zeros(jnp.shape(x), jax.dtypes.float0)
       if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)
       else jnp.zeros_like(x), consts)
-  return lax.fori_loop(0, n, body, (ct, zeros, stack, stack_state))
+  staged = _fetch(leaves, last)
+  ct, ct_consts, leaves, _, pending = lax.fori_loop(
+      0, last + 1, body, (ct, zeros, leaves, staged, staged))
+  stack, stack_state = treedef.unflatten(_write_back(leaves, pending, 0))
+  return ct, ct_consts, stack, stack_state
 
 
 def blockwise_step(
@@ -458,8 +603,7 @@ def blockwise_step(
                                        params.embed)
   inputs, transitions = [], []
   for s, (block, stack) in enumerate(zip(model.blocks, params.stacks)):
-    carry, saved = lax.scan(
-        lambda c, p, block=block: (block(p, c, consts), c), carry, stack)
+    carry, saved = _forward_stack(block, stack, carry, consts)
     inputs.append(saved)
     transition_vjp = None
     if model.transition(s) is not None:

@@ -46,6 +46,8 @@ from optax_kahan._src.leaves import needs_residual
 from optax_kahan._src.leaves import paths
 from optax_kahan._src.leaves import upcast
 from optax_kahan._src.per_leaf import on_host
+from optax_kahan._src.per_leaf import to_device
+from optax_kahan._src.per_leaf import to_host
 
 Residuals = Any  # A tree like the params: uint16 arrays, None for wide leaves.
 
@@ -79,16 +81,6 @@ def _check_residuals(params: Any, residuals: Residuals,
           f"leaf {path} is {dtype} and needs no residual, got "
           f"{jnp.result_type(r)}{list(r.shape)}{hint}")
   return lows
-
-
-def to_host(x: jax.Array) -> jax.Array:
-  """Sends ``x`` to host memory (``pinned_host``), keeping its sharding."""
-  return jax.device_put(x, jax.memory.Space.Host)
-
-
-def to_device(x: jax.Array) -> jax.Array:
-  """Brings ``x`` into device memory, keeping its sharding."""
-  return jax.device_put(x, jax.memory.Space.Device)
 
 
 def _exact(p: jax.Array, lo: Any, rounding: Rounding) -> jax.Array:
@@ -460,6 +452,8 @@ def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
   """Warns, naming the leaf and the fix, for residuals (``lows``, one per
   params leaf) outside the memory ``offload`` says. They stay there: a step
   whose output lands in another memory than a donated input aborts."""
+  if validation.is_staged_by_caller():
+    return
   misplaced = [path for path, lo in zip(paths(params), lows)
                if lo is not None and not isinstance(lo, optax.MaskedNode)
                and on_host(lo) != offload]

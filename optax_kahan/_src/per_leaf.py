@@ -331,11 +331,19 @@ def on_host(x: Any) -> bool:
           and jax.typeof(x).memory_space == jax.memory.Space.Host)
 
 
+def to_host(x: jax.Array) -> jax.Array:
+  """Sends ``x`` to host memory (``pinned_host``), keeping its sharding."""
+  return jax.device_put(x, jax.memory.Space.Host)
+
+
+def to_device(x: jax.Array) -> jax.Array:
+  """Brings ``x`` into device memory, keeping its sharding."""
+  return jax.device_put(x, jax.memory.Space.Device)
+
+
 def _stage(tree: Any) -> Any:
   """The tree's arrays that live in host memory, brought into device memory."""
-  return jax.tree.map(
-      lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x)
-      else x, tree)
+  return jax.tree.map(lambda x: to_device(x) if on_host(x) else x, tree)
 
 
 def tie(x: Any, token: jax.Array,

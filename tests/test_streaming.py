@@ -1,0 +1,113 @@
+"""Streaming blocks through the device: ``stream_blocks`` and the pipelined
+blockwise step.
+
+On the CPU, host memory (``pinned_host``) is bookkeeping, but the program
+is the streaming one: host stacks are fetched one block ahead and written
+back one block behind. It must compute what the step without streaming
+computes, bit for bit, and leave every streamed leaf in host memory.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_kahan as ok
+from optax_kahan._src import blockwise as bw
+from tests.test_blockwise import JOINED
+from tests.test_blockwise import MODEL
+from tests.test_blockwise import batch
+from tests.test_blockwise import init_params
+
+
+def _join(parts, counts):
+  """The original stacks from stream_blocks' parts (per stack, its parts)."""
+  out, it = [], iter(parts)
+  for n_parts in counts:
+    chunk = [next(it) for _ in range(n_parts)]
+    out.append(jax.tree.map(
+        lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *chunk))
+  return out
+
+
+def _run(model, tx, params, state, steps, dtype):
+  step = jax.jit(lambda p, s, b: bw.blockwise_step(model, tx, p, s, b),
+                 donate_argnums=(0, 1))
+  losses = []
+  for i in range(steps):
+    loss, params, state = step(params, state, batch(i, dtype))
+    losses.append(float(loss))
+  assert step._cache_size() == 1
+  return losses, params, state
+
+
+@pytest.mark.parametrize("model", [MODEL, JOINED], ids=["two stacks",
+                                                        "transition"])
+def test_streamed_steps_equal_the_plain_steps_bit_for_bit(model):
+  tx = ok.kahan(optax.adamw(1e-3))
+  dtype = jnp.bfloat16
+  params = init_params(dtype)
+  state = ok.blockwise_init(tx, params)
+  want = _run(model, tx, jax.tree.map(jnp.copy, params),
+              jax.tree.map(jnp.copy, state), 4, dtype)
+  # the double stack split (1 on the device, 2 streamed), the other all on
+  # the host
+  smodel, sparams, sstate = ok.stream_blocks(model, params, state, (2, 2))
+  assert len(smodel.blocks) == 3 and len(sparams.stacks) == 3
+  assert smodel.transitions[0] is None
+  assert smodel.transitions[1] is (model.transitions[0] if model.transitions
+                                   else None)
+  for part, host in zip(sstate.stacks, (False, True, True)):
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(part)}
+    assert kinds == ({"pinned_host"} if host else {"device", "pinned_host"})
+  got = _run(smodel, tx, sparams, sstate, 4, dtype)
+  assert got[0] == want[0]
+  for part, host in zip(got[1].stacks, (False, True, True)):
+    assert all((x.sharding.memory_kind == "pinned_host") == host
+               for x in jax.tree.leaves(part))
+  counts = (2, 1)
+  for a, b in zip(_join(got[1].stacks, counts), want[1].stacks):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  for a, b in zip(_join(got[2].stacks, counts), want[2].stacks):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  np.testing.assert_array_equal(
+      np.asarray(got[1].head["w"]), np.asarray(want[1].head["w"]))
+
+
+def test_streamed_prodigy_keeps_its_lagged_d():
+  tx = ok.kahan(ok.prodigy_factored(lagged_d=True))
+  params = init_params(jnp.bfloat16)
+  state = ok.blockwise_init(tx, params)
+  want = _run(MODEL, tx, jax.tree.map(jnp.copy, params),
+              jax.tree.map(jnp.copy, state), 3, jnp.bfloat16)
+  smodel, sparams, sstate = ok.stream_blocks(MODEL, params, state, (3, 1))
+  got = _run(smodel, tx, sparams, sstate, 3, jnp.bfloat16)
+  assert got[0] == want[0]
+  np.testing.assert_array_equal(ok.prodigy_d(got[2].head),
+                                ok.prodigy_d(want[2].head))
+
+
+def test_stream_blocks_names_a_count_that_does_not_fit():
+  tx = optax.adamw(1e-3)
+  params = init_params(jnp.float32)
+  state = ok.blockwise_init(tx, params)
+  with pytest.raises(ValueError, match=r"num_streamed\[1\] = 3, but stack 1 "
+                     "has 2 blocks"):
+    ok.stream_blocks(MODEL, params, state, (0, 3))
+  with pytest.raises(ValueError, match="num_streamed has 1 entries"):
+    ok.stream_blocks(MODEL, params, state, (1,))
+
+
+def test_stream_blocks_places_abstract_leaves_for_compiling_ahead():
+  tx = ok.kahan(optax.adamw(1e-3))
+  params = init_params(jnp.bfloat16)
+  state = ok.blockwise_init(tx, params)
+  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  _, p, s = ok.stream_blocks(MODEL, jax.tree.map(sds, params),
+                             jax.tree.map(sds, state), (1, 0))
+  assert [jax.tree.leaves(x)[0].shape[0] for x in p.stacks] == [2, 1, 2]
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(p.stacks[1])} == {
+      "pinned_host"}
