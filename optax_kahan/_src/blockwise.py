@@ -454,6 +454,15 @@ def _check_per_group(tx: optax.GradientTransformation, grads: Any,
         "at its start")
 
 
+def _on_device(x: jax.Array) -> jax.Array:
+  return per_leaf.to_device(x) if per_leaf.on_host(x) else x
+
+
+def _like(x: jax.Array, where: jax.Array) -> jax.Array:
+  """``x`` in the memory ``where`` lives in (a streamed stack's: host)."""
+  return per_leaf.to_host(x) if per_leaf.on_host(where) else x
+
+
 def _sum_late(state: BlockwiseState) -> BlockwiseState:
   """Gives every ``LateSums`` of the state (each group's, over its own
   leaves; the blocks' one per block) the sums over all groups."""
@@ -462,15 +471,16 @@ def _sum_late(state: BlockwiseState) -> BlockwiseState:
   totals = []
   for j in range(len(found[0])):
     parts = [found[0][j].sums, found[-1][j].sums]
-    parts += [jax.tree.map(lambda x: jnp.sum(x, axis=0), g[j].sums)
-              for g in found[1:-1]]
+    parts += [jax.tree.map(lambda x: jnp.sum(_on_device(x), axis=0),
+                           g[j].sums) for g in found[1:-1]]
     totals.append(jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts))
 
   def with_totals(tree):
     it = iter(totals)
     return jax.tree.map(
         lambda x: per_leaf.LateSums(jax.tree.map(
-            lambda t, s: jnp.broadcast_to(t, s.shape), next(it), x.sums))
+            lambda t, s: _like(jnp.broadcast_to(t, s.shape), s), next(it),
+            x.sums))
         if _is_late(x) else x, tree, is_leaf=_is_late)
 
   return BlockwiseState(
