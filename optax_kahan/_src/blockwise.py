@@ -71,6 +71,14 @@ Consts = Any
 Batch = Any
 
 
+def continue_stack(carry: Carry, consts: Consts) -> Carry:
+  """The transition between two parts of one stack (``stream_blocks``): the
+  identity. The step sums the parts' cotangents of ``consts`` as it would
+  one stack's, so splitting a stack changes no bit of the gradients."""
+  del consts
+  return carry
+
+
 class BlockwiseModel(NamedTuple):
   """A model as embed -> scan over stacked blocks -> head, as pure functions.
 
@@ -83,8 +91,8 @@ class BlockwiseModel(NamedTuple):
     transitions: none, or one function per pair of consecutive stacks,
       ``transition(carry, consts) -> carry``, run after stack ``s`` (the
       next stack's carry may have another structure), or None where
-      nothing runs (between the parts of a stack that ``stream_blocks``
-      split).
+      nothing runs. ``continue_stack`` joins the parts of a stack that
+      ``stream_blocks`` split.
   """
   embed: Callable[[Any, Batch], tuple[Carry, Consts]]
   blocks: tuple[Callable[[Any, Carry, Consts], Carry], ...]
@@ -249,7 +257,7 @@ def _part(x: Any, start: int, stop: int, host: bool) -> Any:
       sharding = sharding.with_memory_kind("pinned_host")
     return jax.ShapeDtypeStruct((stop - start, *x.shape[1:]), x.dtype,
                                 sharding=sharding)
-  part = x[start:stop]
+  part = lax.slice_in_dim(x, start, stop)  # static: no gather on the host
   return per_leaf.to_host(part) if host else part
 
 
@@ -268,9 +276,10 @@ def stream_blocks(
   to the optimizer state and ``kahan``'s residuals too). Stack ``s`` with
   ``0 < num_streamed[s] < num_blocks`` becomes two stacks run one after
   the other with no transition between them: its first blocks on the
-  device, its last ``num_streamed[s]`` in host memory. The arithmetic is
-  unchanged: the step computes what it computes without streaming, bit for
-  bit.
+  device, its last ``num_streamed[s]`` in host memory, joined by the
+  transition ``continue_stack``. The arithmetic is unchanged: the step
+  computes what it computes without streaming, bit for bit (Prodigy's late
+  sums aside, which add the parts' sums in another order).
 
   Call it after ``blockwise_init`` (on arrays, or on abstract
   ``jax.ShapeDtypeStruct`` leaves to compile ahead). The result's stacks
@@ -306,7 +315,7 @@ def stream_blocks(
     parts = [(a, b) for a, b in ((0, n - k), (n - k, n)) if a < b]
     for j, (a, b) in enumerate(parts):
       if blocks:  # what runs between this part and the one before it
-        transitions.append(None if j else model.transition(s - 1))
+        transitions.append(continue_stack if j else model.transition(s - 1))
       host = a == n - k
       blocks.append(model.blocks[s])
       stacks.append(jax.tree.map(lambda x: _part(x, a, b, host), stack))
@@ -367,7 +376,7 @@ def blockwise_loss(model: BlockwiseModel, params: BlockwiseParams,
   carry, consts = model.embed(params.embed, batch)
   for s, (block, stack) in enumerate(zip(model.blocks, params.stacks)):
     carry, _ = _forward_stack(jax.checkpoint(block), stack, carry, consts)
-    if model.transition(s) is not None:
+    if model.transition(s) not in (None, continue_stack):
       carry = model.transition(s)(carry, consts)
   return model.head(params.head, carry, consts, batch)
 
@@ -489,12 +498,14 @@ def _sum_late(state: BlockwiseState) -> BlockwiseState:
       head=with_totals(state.head))
 
 
-def _backward_stack(tx, block, stack, stack_state, inputs, consts, ct):
+def _backward_stack(tx, block, stack, stack_state, inputs, consts, ct,
+                    ct_consts):
   """The reverse loop over one stack: each block's vjp, then its update.
 
   Returns the carry's cotangent, the sum of the blocks' cotangents of
-  ``consts`` (from zero in this order, as JAX's transpose of ``lax.scan``:
-  ``blockwise_loss``'s gradient bit for bit), and the new stack and state.
+  ``consts`` (from ``ct_consts``, zero for a whole stack, in this order, as
+  JAX's transpose of ``lax.scan``: ``blockwise_loss``'s gradient bit for
+  bit), and the new stack and state.
 
   Leaves of the stack and its state that live in host memory (``kahan``'s
   residuals; streamed weights and state) are software-pipelined: while block
@@ -531,13 +542,9 @@ def _backward_stack(tx, block, stack, stack_state, inputs, consts, ct):
               for x, y in zip(leaves, new)]
     return ct, _add_cotangents(ct_consts, ct_block), leaves, ahead, pending
 
-  zeros = jax.tree.map(
-      lambda x: jnp.zeros(jnp.shape(x), jax.dtypes.float0)
-      if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-      else jnp.zeros_like(x), consts)
   staged = _fetch(leaves, last)
   ct, ct_consts, leaves, _, pending = lax.fori_loop(
-      0, last + 1, body, (ct, zeros, leaves, staged, staged))
+      0, last + 1, body, (ct, ct_consts, leaves, staged, staged))
   stack, stack_state = treedef.unflatten(_write_back(leaves, pending, 0))
   return ct, ct_consts, stack, stack_state
 
@@ -616,7 +623,7 @@ def blockwise_step(
     carry, saved = _forward_stack(block, stack, carry, consts)
     inputs.append(saved)
     transition_vjp = None
-    if model.transition(s) is not None:
+    if model.transition(s) not in (None, continue_stack):
       carry, transition_vjp = jax.vjp(model.transition(s), carry, consts)
     transitions.append(transition_vjp)
   loss, head_vjp = jax.vjp(lambda p, c, k: model.head(p, c, k, batch),
@@ -627,14 +634,22 @@ def blockwise_step(
 
   stacks = list(params.stacks)
   stack_states = list(state.stacks)
+  zeros = jax.tree.map(
+      lambda x: jnp.zeros(jnp.shape(x), jax.dtypes.float0)
+      if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+      else jnp.zeros_like(x), consts)
+  ct_stack = zeros
   for s in reversed(range(len(stacks))):
     if transitions[s] is not None:
       ct, ct_transition = transitions[s](ct)
       ct_consts = _add_cotangents(ct_consts, ct_transition)
     ct, ct_stack, stacks[s], stack_states[s] = _backward_stack(
         tx, model.blocks[s], stacks[s], stack_states[s], inputs[s], consts,
-        ct)
-    ct_consts = _add_cotangents(ct_consts, ct_stack)
+        ct, ct_stack)
+    if s == 0 or model.transition(s - 1) is not continue_stack:
+      ct_consts = _add_cotangents(ct_consts, ct_stack)
+      ct_stack = zeros
+    # else the part before continues this stack's sum, as one stack's would
   grads, = embed_vjp((ct, ct_consts))
   embed, embed_state = _update(tx, grads, state.embed, params.embed)
 

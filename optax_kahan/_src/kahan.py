@@ -87,8 +87,8 @@ def _exact(p: jax.Array, lo: Any, rounding: Rounding) -> jax.Array:
   """The exact float32 weight ``merge(p, lo)``; a wide leaf (lo None) as is."""
   if lo is None:
     return p
-  return bits.merge_float32(p, to_device(lo) if on_host(lo) else lo,
-                            rounding)
+  device = lambda x: to_device(x) if on_host(x) else x  # streamed: both
+  return bits.merge_float32(device(p), device(lo), rounding)
 
 
 def _add(p: jax.Array, lo: Any, x: jax.Array, u: jax.Array,

@@ -1,0 +1,193 @@
+"""FLUX.1-dev's blockwise step with blocks streamed through the device: compiled
+peak and modeled step time, for an H200, without a GPU.
+
+    pip install -e ".[gpu-aot]"      # jax's CUDA plugin: XLA's GPU compiler
+    python -m benchmarks.streaming [--quick] [--target h200]
+
+Nothing runs. Each step is ``optax_kahan.blockwise_step`` of
+``kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))`` on
+``benchmarks.flux_model`` at FLUX.1-dev's real dimensions (11.9B params),
+batch 1 (and 2) at 1024x1024, compiled deviceless from abstract arguments
+(``benchmarks.gpu_compile``), params and state donated. Rows:
+
+* residuals on the device (``kahan(..., offload=False)``): the reference
+  time, and the peak a card would need without offload;
+* residuals in host memory, weights and state on the device (the default);
+* ``stream_blocks``: the last blocks of the stacks, weights, state and
+  residuals, in host memory. Single-stream blocks go first: a single block
+  moves 283 MB of weights against about 4 TFLOP of backward compute, a
+  double block 680 MB against about the same. The smallest count whose
+  compiled peak fits 24 GB is searched (bisection over the count), then all
+  57 blocks (the smallest peak streaming reaches).
+
+Read from each program: the device peak (arguments + outputs - aliased +
+temporaries, ``memory_analysis()``), the margin to a card of 24 or 12 GiB
+after 0.5 GB of CUDA context, and the ``benchmarks.timeline`` model of its
+schedule (gemms at 700 TFLOP/s, PCIe 50 GB/s per direction, other kernels
+free): modeled step time, its ratio to the residuals-on-device step at the
+same batch, and the share of each PCIe direction hidden behind compute.
+Estimates from the compiled schedule, not measurements.
+
+``--quick``: 2 + 4 blocks of width 3072 (a FLUX.1-dev slice), batch 1, no
+search. Writes ``benchmarks/results/streaming{,_quick}.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # before jax is imported: no CUDA driver is touched
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+import argparse
+import dataclasses
+import datetime
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import optax_kahan as ok
+from benchmarks import blockwise as blockwise_bench
+from benchmarks import flux_model
+from benchmarks import gpu_compile
+from benchmarks import report
+from benchmarks import timeline
+
+CONTEXT = 0.5e9  # CUDA context and cuDNN/cuBLAS workspaces, about
+OPTIMIZER = "kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))"
+
+
+def make_tx(offload: bool = True):
+  return ok.kahan(ok.prodigy_factored(lagged_d=True,
+                                      state_dtype=jnp.bfloat16),
+                  offload=offload)
+
+
+def compile_row(cfg, target: str, batch: int, offload: bool,
+                streamed: tuple[int, ...]) -> dict[str, Any]:
+  """One step compiled; its peak and modeled time."""
+  mesh = gpu_compile.gpu_mesh(target)
+  device = jax.NamedSharding(mesh.abstract_mesh, jax.P())
+  host = jax.NamedSharding(mesh.abstract_mesh, jax.P(),
+                           memory_kind="pinned_host")
+  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
+  model = ok.BlockwiseModel(*flux_model.flux_blockwise(nnx.eval_shape(
+      lambda: flux_model.Flux(cfg, rngs=nnx.Rngs(0))))[0])
+  params = jax.tree.map(sds, flux_model.abstract_params(cfg, jnp.bfloat16))
+  tx = make_tx(offload)
+  state = blockwise_bench._state(tx, params, True, device,
+                                 host if offload else device)
+  if any(streamed):
+    model, params, state = ok.stream_blocks(model, params, state, streamed)
+  b = jax.tree.map(sds, flux_model.batch_spec(cfg, batch, 4096, 512))
+  t0 = time.perf_counter()
+  compiled = gpu_compile.compile_step(
+      lambda p, s, x: ok.blockwise_step(model, tx, p, s, x), (params, state, b),
+      mesh)
+  m = compiled.memory_analysis()
+  peak = (m.argument_size_in_bytes + m.output_size_in_bytes
+          - m.alias_size_in_bytes + m.temp_size_in_bytes)
+  t = timeline.model(compiled.as_text())
+  row = {"batch": batch, "offload": offload, "streamed": list(streamed),
+         "peak_bytes": peak, "temp_bytes": m.temp_size_in_bytes,
+         "host_bytes": m.host_argument_size_in_bytes,
+         "compile_s": time.perf_counter() - t0, **t.as_dict()}
+  print(f"  batch {batch} offload={offload} streamed={streamed}: "
+        f"{peak / 1e9:.2f} GB, {t.step_s * 1e3:.0f} ms modeled "
+        f"({row['compile_s']:.0f} s)", flush=True)
+  return row
+
+
+def rows_for(cfg, target: str, quick: bool) -> dict[str, dict]:
+  counts = (cfg.double_blocks, cfg.single_blocks)
+  rows = {}
+  for batch in (1,) if quick else (1, 2):
+    rows[f"residuals on the device, batch {batch}"] = compile_row(
+        cfg, target, batch, False, (0, 0))
+    rows[f"residuals in host memory, batch {batch}"] = compile_row(
+        cfg, target, batch, True, (0, 0))
+  if quick:
+    rows["1 + 2 blocks streamed, batch 1"] = compile_row(
+        cfg, target, 1, True, (1, 2))
+  else:
+    # the fewest streamed blocks (single-stream ones first) that fit 24 GB
+    def streamed(k):
+      return (max(0, k - counts[1]), min(k, counts[1]))
+    lo, hi, found = 1, sum(counts), {}
+    while lo < hi:
+      k = (lo + hi) // 2
+      found[k] = compile_row(cfg, target, 1, True, streamed(k))
+      if found[k]["peak_bytes"] <= 24e9:
+        hi = k
+      else:
+        lo = k + 1
+    k = lo
+    if k not in found:
+      found[k] = compile_row(cfg, target, 1, True, streamed(k))
+    d, s = streamed(k)
+    rows[f"{d} + {s} blocks streamed (fewest under 24 GB), batch 1"] = found[k]
+    rows[f"all {sum(counts)} blocks streamed, batch 1"] = compile_row(
+        cfg, target, 1, True, counts)
+  for row in rows.values():
+    ref = rows[f"residuals on the device, batch {row['batch']}"]
+    row["ratio"] = row["step_s"] / ref["step_s"]
+  return rows
+
+
+def to_markdown(r: dict) -> str:
+  lines = [
+      f"Compiled for {r['target_name']}, not run ({r['date']}, jax "
+      f"{r['jax']}): {r['model']}, `{OPTIMIZER}`, blockwise step. Device "
+      "peak = arguments + outputs - aliased + temporaries (GB = 1e9 bytes); "
+      "margin to a card of 24 GiB / 12 GiB after 0.5 GB of CUDA context. "
+      "Modeled time: `benchmarks.timeline` on the compiled schedule, gemms "
+      f"at {timeline.GEMM_FLOPS / 1e12:.0f} TFLOP/s, PCIe "
+      f"{timeline.PCIE / 1e9:.0f} GB/s per direction, other kernels free "
+      "(an estimate); ratio to the residuals-on-device step at the same "
+      "batch; hidden: the share of each direction's PCIe time that runs "
+      "beside compute.", "",
+      "| setup | device peak GB | margin 24 GiB | margin 12 GiB | host GB | "
+      "modeled ms | ratio | H2D GB (hidden) | D2H GB (hidden) |",
+      "|---|---|---|---|---|---|---|---|---|"]
+  for name, v in r["rows"].items():
+    margin = lambda gib: (gib * 2**30 - CONTEXT - v["peak_bytes"]) / 1e9
+    hidden = lambda x: "-" if x != x else f"{100 * x:.0f}%"
+    lines.append(
+        f"| {name} | {v['peak_bytes'] / 1e9:.2f} | {margin(24):+.2f} | "
+        f"{margin(12):+.2f} | {v['host_bytes'] / 1e9:.2f} | "
+        f"{v['step_s'] * 1e3:.0f} | {v['ratio']:.2f}x | "
+        f"{v['h2d_bytes'] / 1e9:.1f} ({hidden(v['h2d_hidden'])}) | "
+        f"{v['d2h_bytes'] / 1e9:.1f} ({hidden(v['d2h_hidden'])}) |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="2 + 4 blocks of width 3072, batch 1, no search")
+  parser.add_argument("--target", default="h200",
+                      choices=sorted(gpu_compile.TARGETS))
+  args = parser.parse_args(argv)
+  cfg = flux_model.FluxConfig.dev()
+  if args.quick:
+    cfg = dataclasses.replace(cfg, double_blocks=2, single_blocks=4)
+  cfg = dataclasses.replace(cfg, heads_per_chunk=2)
+  rows = rows_for(cfg, args.target, args.quick)
+  n = flux_model.num_params(flux_model.abstract_params(cfg))
+  r = {"target": args.target,
+       "target_name": gpu_compile.gpu_mesh(args.target).devices.flat[0]
+       .device_kind,
+       "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+       "model": (f"FLUX-shaped MMDiT, {cfg.double_blocks} + "
+                 f"{cfg.single_blocks} blocks of width {cfg.hidden} "
+                 f"({n / 1e9:.2f}B params), 4096 + 512 tokens, block remat"),
+       "rows": rows}
+  report.save("streaming", to_markdown(r), r, args.quick)
+  return r
+
+
+if __name__ == "__main__":
+  main()
