@@ -3,10 +3,14 @@
 #   1. the optimizer-step speed ratios (benchmarks/speed.py, 46M params);
 #   2. a full training step of the example's UNet (58M params): Kahan with host
 #      offload against plain bf16, step-time ratio, device/host bytes from
-#      compiled.memory_analysis() and the peak device memory of each setup.
+#      compiled.memory_analysis() and the peak device memory of each setup;
+#   3. the blockwise FLUX.1-dev step at 4 + 8 blocks (benchmarks/stream_gpu.py):
+#      residuals on the device, in host memory, and every block streamed;
+#      measured peak and step-time ratios against the compiled peak and the
+#      timeline model.
 # Needs jax with its GPU plugin, optax, flax, chex and scikit-learn installed;
 # the package is used from this checkout, and nothing is downloaded.
-# Results land in benchmarks/results/{speed,gpu_step}.{md,json}.
+# Results land in benchmarks/results/{speed,gpu_step,stream_gpu}.{md,json}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -15,3 +19,4 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 python3 -m benchmarks.speed --reps 30
 python3 -m benchmarks.gpu_step --width 384 --batch 256 --reps 30
 if [ -f benchmarks/step_memory.py ]; then python3 -m benchmarks.step_memory; fi
+python3 -m benchmarks.stream_gpu --steps 5   # the streaming FLUX step (4 + 8 blocks), measured against the model

@@ -29,7 +29,9 @@ same batch, and the share of each PCIe direction hidden behind compute.
 Estimates from the compiled schedule, not measurements.
 
 ``--quick``: 2 + 4 blocks of width 3072 (a FLUX.1-dev slice), batch 1, no
-search. Writes ``benchmarks/results/streaming{,_quick}.{md,json}``.
+search. ``--fit GB``: only the search for a peak of at most GB (for the
+32 GB card: ``--fit 32``), to ``results/streaming_fit<GB>``. Writes
+``benchmarks/results/streaming{,_quick}.{md,json}``.
 """
 
 from __future__ import annotations
@@ -101,6 +103,26 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   return row
 
 
+def fewest_streamed(cfg, target: str, limit: float
+                    ) -> tuple[int, int, dict]:
+  """The fewest streamed blocks (single-stream ones first) whose batch-1
+  step's compiled peak is at most ``limit`` bytes, by bisection over the
+  count (the peak falls as the count grows)."""
+  counts = (cfg.double_blocks, cfg.single_blocks)
+  streamed = lambda k: (max(0, k - counts[1]), min(k, counts[1]))
+  lo, hi, found = 0, sum(counts), {}
+  while lo < hi:
+    k = (lo + hi) // 2
+    found[k] = compile_row(cfg, target, 1, True, streamed(k))
+    if found[k]["peak_bytes"] <= limit:
+      hi = k
+    else:
+      lo = k + 1
+  if lo not in found:
+    found[lo] = compile_row(cfg, target, 1, True, streamed(lo))
+  return (*streamed(lo), found[lo])
+
+
 def rows_for(cfg, target: str, quick: bool) -> dict[str, dict]:
   counts = (cfg.double_blocks, cfg.single_blocks)
   rows = {}
@@ -113,22 +135,8 @@ def rows_for(cfg, target: str, quick: bool) -> dict[str, dict]:
     rows["1 + 2 blocks streamed, batch 1"] = compile_row(
         cfg, target, 1, True, (1, 2))
   else:
-    # the fewest streamed blocks (single-stream ones first) that fit 24 GB
-    def streamed(k):
-      return (max(0, k - counts[1]), min(k, counts[1]))
-    lo, hi, found = 1, sum(counts), {}
-    while lo < hi:
-      k = (lo + hi) // 2
-      found[k] = compile_row(cfg, target, 1, True, streamed(k))
-      if found[k]["peak_bytes"] <= 24e9:
-        hi = k
-      else:
-        lo = k + 1
-    k = lo
-    if k not in found:
-      found[k] = compile_row(cfg, target, 1, True, streamed(k))
-    d, s = streamed(k)
-    rows[f"{d} + {s} blocks streamed (fewest under 24 GB), batch 1"] = found[k]
+    d, s, row = fewest_streamed(cfg, target, 24e9)
+    rows[f"{d} + {s} blocks streamed (fewest under 24 GB), batch 1"] = row
     rows[f"all {sum(counts)} blocks streamed, batch 1"] = compile_row(
         cfg, target, 1, True, counts)
   for row in rows.values():
@@ -170,12 +178,22 @@ def main(argv=None) -> dict:
                       help="2 + 4 blocks of width 3072, batch 1, no search")
   parser.add_argument("--target", default="h200",
                       choices=sorted(gpu_compile.TARGETS))
+  parser.add_argument("--fit", type=float, metavar="GB",
+                      help="only the fewest streamed blocks whose peak is at "
+                      "most GB (1e9 bytes), to results/streaming_fit<GB>")
   args = parser.parse_args(argv)
   cfg = flux_model.FluxConfig.dev()
   if args.quick:
     cfg = dataclasses.replace(cfg, double_blocks=2, single_blocks=4)
   cfg = dataclasses.replace(cfg, heads_per_chunk=2)
-  rows = rows_for(cfg, args.target, args.quick)
+  if args.fit:
+    d, s, row = fewest_streamed(cfg, args.target, args.fit * 1e9)
+    ref = compile_row(cfg, args.target, 1, False, (0, 0))
+    rows = {"residuals on the device, batch 1": {**ref, "ratio": 1.0},
+            f"{d} + {s} blocks streamed (fewest under {args.fit:g} GB), "
+            "batch 1": {**row, "ratio": row["step_s"] / ref["step_s"]}}
+  else:
+    rows = rows_for(cfg, args.target, args.quick)
   n = flux_model.num_params(flux_model.abstract_params(cfg))
   r = {"target": args.target,
        "target_name": gpu_compile.gpu_mesh(args.target).devices.flat[0]
@@ -185,7 +203,8 @@ def main(argv=None) -> dict:
                  f"{cfg.single_blocks} blocks of width {cfg.hidden} "
                  f"({n / 1e9:.2f}B params), 4096 + 512 tokens, block remat"),
        "rows": rows}
-  report.save("streaming", to_markdown(r), r, args.quick)
+  report.save(f"streaming_fit{args.fit:g}" if args.fit else "streaming",
+              to_markdown(r), r, args.quick)
   return r
 
 

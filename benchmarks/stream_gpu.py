@@ -1,0 +1,144 @@
+"""The streaming blockwise FLUX step, run on a GPU: measured against the model.
+
+    python -m benchmarks.stream_gpu            # on a GPU (benchmarks/gpu.sh)
+    python -m benchmarks.stream_gpu --tiny     # anywhere: a smoke run
+
+FLUX.1-dev at reduced depth (4 double + 8 single blocks of width 3072,
+2.5B params), batch 1 at 1024x1024, ``blockwise_step`` of
+``kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))`` with random
+weights, in three setups: residuals on the device, residuals in host memory
+(the default), and every block streamed (``stream_blocks``). Each setup runs
+in a process of its own (the device's ``peak_bytes_in_use`` counts from the
+process start): it compiles the step, reads the compiled peak and the
+``benchmarks.timeline`` model of the compiled schedule, runs 2 warm-up and
+``--steps`` timed steps, and reports the measured peak and median step time.
+The table sets the measured step-time ratios (to residuals on the device)
+beside the modeled ones, and the measured peak beside the compiled one.
+
+Writes ``benchmarks/results/stream_gpu.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+SETUPS = ("residuals on the device", "residuals in host memory",
+          "all blocks streamed")
+
+
+def run_setup(setup: str, tiny: bool, steps: int) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import optax_kahan as ok
+  from benchmarks import flux_model
+  from benchmarks import timeline
+
+  cfg = flux_model.FluxConfig.dev()
+  cfg = dataclasses.replace(cfg, double_blocks=4, single_blocks=8,
+                            heads_per_chunk=2)
+  tokens = (4096, 512)
+  if tiny:
+    cfg = flux_model.FluxConfig.tiny()
+    tokens = (64, 16)
+  model = ok.BlockwiseModel(*flux_model.flux_blockwise(nnx.eval_shape(
+      lambda: flux_model.Flux(cfg, rngs=nnx.Rngs(0))))[0])
+  abstract = flux_model.abstract_params(cfg, jnp.bfloat16)
+  leaves, treedef = jax.tree.flatten(abstract)
+  keys = jax.random.split(jax.random.key(0), len(leaves))
+  device = jax.devices()[0]
+  params = treedef.unflatten([
+      jax.device_put(0.02 * jax.random.normal(k, x.shape, x.dtype), device)
+      for k, x in zip(keys, leaves)])
+  tx = ok.kahan(ok.prodigy_factored(lagged_d=True, state_dtype=jnp.bfloat16),
+                offload=setup != "residuals on the device")
+  state = ok.blockwise_init(tx, params)
+  if setup == "all blocks streamed":
+    model, params, state = ok.stream_blocks(
+        model, params, state, (cfg.double_blocks, cfg.single_blocks))
+  spec = flux_model.batch_spec(cfg, 1, *tokens)
+  batch = {k: jax.device_put(jnp.ones(v.shape, v.dtype) * 0.1, device)
+           for k, v in spec.items()}
+  step = jax.jit(lambda p, s, b: ok.blockwise_step(model, tx, p, s, b),
+                 donate_argnums=(0, 1))
+  compiled = step.lower(params, state, batch).compile()
+  m = compiled.memory_analysis()
+  compiled_peak = (m.argument_size_in_bytes + m.output_size_in_bytes
+                   - m.alias_size_in_bytes + m.temp_size_in_bytes)
+  # the model reads GPU schedules (the CPU program has lax.cond islands)
+  modeled = (timeline.model(compiled.as_text()).step_s
+             if device.platform == "gpu" else None)
+  times = []
+  for i in range(2 + steps):
+    t0 = time.perf_counter()
+    loss, params, state = step(params, state, batch)
+    loss.block_until_ready()
+    if i >= 2:
+      times.append(time.perf_counter() - t0)
+  stats = device.memory_stats() or {}
+  return {"setup": setup, "device": device.device_kind,
+          "compiled_peak_bytes": compiled_peak,
+          "measured_peak_bytes": stats.get("peak_bytes_in_use"),
+          "modeled_s": modeled, "median_s": statistics.median(times),
+          "loss": float(loss)}
+
+
+def to_markdown(r: dict) -> str:
+  rows = r["rows"]
+  ref = rows[0]
+  lines = [f"Run on {ref['device']} ({r['date']}): {r['model']}. Measured "
+           "peak: the device's peak_bytes_in_use in the setup's own process; "
+           "compiled peak: memory_analysis(); modeled: benchmarks.timeline "
+           "(gemms 700 TFLOP/s, PCIe 50 GB/s per direction, other kernels "
+           "free).", "",
+           "| setup | compiled peak GB | measured peak GB | median step ms | "
+           "measured ratio | modeled ms | modeled ratio |",
+           "|---|---|---|---|---|---|---|"]
+  for v in rows:
+    measured = (f"{v['measured_peak_bytes'] / 1e9:.2f}"
+                if v["measured_peak_bytes"] else "n/a")
+    lines.append(
+        f"| {v['setup']} | {v['compiled_peak_bytes'] / 1e9:.2f} | {measured} "
+        f"| {v['median_s'] * 1e3:.1f} | {v['median_s'] / ref['median_s']:.2f}x"
+        + (f" | {v['modeled_s'] * 1e3:.1f} | "
+           f"{v['modeled_s'] / ref['modeled_s']:.2f}x |" if v["modeled_s"]
+           else " | n/a | n/a |"))
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tiny", action="store_true",
+                      help="FluxConfig.tiny(), a smoke run")
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--setup", choices=SETUPS, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.setup:  # a child: one setup, its JSON on the last line
+    print(json.dumps(run_setup(args.setup, args.tiny, args.steps)))
+    return {}
+  rows = []
+  for setup in SETUPS:
+    cmd = [sys.executable, "-m", "benchmarks.stream_gpu", "--setup", setup,
+           "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"  {setup}: {rows[-1]['median_s'] * 1e3:.1f} ms", flush=True)
+  from benchmarks import report
+  r = {"date": datetime.date.today().isoformat(), "rows": rows,
+       "model": ("FluxConfig.tiny() (a smoke run)"
+                 if args.tiny else "FLUX.1-dev shapes, 4 + 8 blocks of "
+                 "width 3072, batch 1 at 1024x1024")}
+  report.save("stream_gpu", to_markdown(r), r, quick=args.tiny)
+  return r
+
+
+if __name__ == "__main__":
+  main()
