@@ -10,6 +10,7 @@ from optax_kahan._src.bits import split_float32
 from optax_kahan._src.blockwise import blockwise_init
 from optax_kahan._src.blockwise import blockwise_loss
 from optax_kahan._src.blockwise import blockwise_step
+from optax_kahan._src.blockwise import continue_stack
 from optax_kahan._src.blockwise import BlockwiseModel
 from optax_kahan._src.blockwise import BlockwiseParams
 from optax_kahan._src.blockwise import BlockwiseState
@@ -78,6 +79,7 @@ __all__ = (
     "chain",
     "clip_by_bias_corrected_rms",
     "clip_by_global_norm",
+    "continue_stack",
     "for_each_leaf",
     "kahan",
     "kahan_apply_updates",
