@@ -12,7 +12,11 @@ batch 1 (and 2) at 1024x1024, compiled deviceless from abstract arguments
 
 * residuals on the device (``kahan(..., offload=False)``): the reference
   time, and the peak a card would need without offload;
-* residuals in host memory, weights and state on the device (the default);
+* residuals in host memory, weights and state on the device: as
+  ``blockwise_init`` lays them out (one host buffer per leaf: a block's
+  write-back and the next block's fetch run one after the other), and as
+  ``stream_blocks(..., (0, 0))`` lays them out (each stack's even and odd
+  blocks in two buffers: both directions at once);
 * ``stream_blocks``: the last blocks of the stacks, weights, state and
   residuals, in host memory. Single-stream blocks go first: a single block
   moves 283 MB of weights against about 4 TFLOP of backward compute, a
@@ -45,7 +49,7 @@ import argparse
 import dataclasses
 import datetime
 import time
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +73,7 @@ def make_tx(offload: bool = True):
 
 
 def compile_row(cfg, target: str, batch: int, offload: bool,
-                streamed: tuple[int, ...]) -> dict[str, Any]:
+                streamed: Optional[tuple[int, ...]]) -> dict[str, Any]:
   """One step compiled; its peak and modeled time."""
   mesh = gpu_compile.gpu_mesh(target)
   device = jax.NamedSharding(mesh.abstract_mesh, jax.P())
@@ -82,7 +86,7 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   tx = make_tx(offload)
   state = blockwise_bench._state(tx, params, True, device,
                                  host if offload else device)
-  if any(streamed):
+  if streamed is not None:
     model, params, state = ok.stream_blocks(model, params, state, streamed)
   b = jax.tree.map(sds, flux_model.batch_spec(cfg, batch, 4096, 512))
   t0 = time.perf_counter()
@@ -93,7 +97,8 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   peak = (m.argument_size_in_bytes + m.output_size_in_bytes
           - m.alias_size_in_bytes + m.temp_size_in_bytes)
   t = timeline.model(compiled.as_text())
-  row = {"batch": batch, "offload": offload, "streamed": list(streamed),
+  row = {"batch": batch, "offload": offload,
+         "streamed": None if streamed is None else list(streamed),
          "peak_bytes": peak, "temp_bytes": m.temp_size_in_bytes,
          "host_bytes": m.host_argument_size_in_bytes,
          "compile_s": time.perf_counter() - t0, **t.as_dict()}
@@ -128,9 +133,11 @@ def rows_for(cfg, target: str, quick: bool) -> dict[str, dict]:
   rows = {}
   for batch in (1,) if quick else (1, 2):
     rows[f"residuals on the device, batch {batch}"] = compile_row(
-        cfg, target, batch, False, (0, 0))
-    rows[f"residuals in host memory, batch {batch}"] = compile_row(
-        cfg, target, batch, True, (0, 0))
+        cfg, target, batch, False, None)
+    rows[f"residuals in host memory, one buffer per leaf, batch {batch}"] = (
+        compile_row(cfg, target, batch, True, None))
+    rows[f"residuals in host memory, even/odd buffers, batch {batch}"] = (
+        compile_row(cfg, target, batch, True, (0, 0)))
   if quick:
     rows["1 + 2 blocks streamed, batch 1"] = compile_row(
         cfg, target, 1, True, (1, 2))
@@ -156,7 +163,8 @@ def to_markdown(r: dict) -> str:
       f"{timeline.PCIE / 1e9:.0f} GB/s per direction, other kernels free "
       "(an estimate); ratio to the residuals-on-device step at the same "
       "batch; hidden: the share of each direction's PCIe time that runs "
-      "beside compute.", "",
+      "beside compute. XLA_FLAGS: "
+      f"`{r.get('xla_flags') or '(none)'}`.", "",
       "| setup | device peak GB | margin 24 GiB | margin 12 GiB | host GB | "
       "modeled ms | ratio | H2D GB (hidden) | D2H GB (hidden) |",
       "|---|---|---|---|---|---|---|---|---|"]
@@ -178,6 +186,9 @@ def main(argv=None) -> dict:
                       help="2 + 4 blocks of width 3072, batch 1, no search")
   parser.add_argument("--target", default="h200",
                       choices=sorted(gpu_compile.TARGETS))
+  parser.add_argument("--tag", default="",
+                      help="a suffix for the results' names (a run under "
+                      "other XLA_FLAGS)")
   parser.add_argument("--fit", type=float, metavar="GB",
                       help="only the fewest streamed blocks whose peak is at "
                       "most GB (1e9 bytes), to results/streaming_fit<GB>")
@@ -188,7 +199,7 @@ def main(argv=None) -> dict:
   cfg = dataclasses.replace(cfg, heads_per_chunk=2)
   if args.fit:
     d, s, row = fewest_streamed(cfg, args.target, args.fit * 1e9)
-    ref = compile_row(cfg, args.target, 1, False, (0, 0))
+    ref = compile_row(cfg, args.target, 1, False, None)
     rows = {"residuals on the device, batch 1": {**ref, "ratio": 1.0},
             f"{d} + {s} blocks streamed (fewest under {args.fit:g} GB), "
             "batch 1": {**row, "ratio": row["step_s"] / ref["step_s"]}}
@@ -203,8 +214,10 @@ def main(argv=None) -> dict:
                  f"{cfg.single_blocks} blocks of width {cfg.hidden} "
                  f"({n / 1e9:.2f}B params), 4096 + 512 tokens, block remat"),
        "rows": rows}
-  report.save(f"streaming_fit{args.fit:g}" if args.fit else "streaming",
-              to_markdown(r), r, args.quick)
+  r["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+  name = f"streaming_fit{args.fit:g}" if args.fit else "streaming"
+  report.save(name + (f"_{args.tag}" if args.tag else ""), to_markdown(r), r,
+              args.quick)
   return r
 
 

@@ -10,7 +10,9 @@ from optax_kahan._src.bits import split_float32
 from optax_kahan._src.blockwise import blockwise_init
 from optax_kahan._src.blockwise import blockwise_loss
 from optax_kahan._src.blockwise import blockwise_step
+from optax_kahan._src.blockwise import alternate
 from optax_kahan._src.blockwise import continue_stack
+from optax_kahan._src.blockwise import join_stacks
 from optax_kahan._src.blockwise import BlockwiseModel
 from optax_kahan._src.blockwise import BlockwiseParams
 from optax_kahan._src.blockwise import BlockwiseState
@@ -71,6 +73,7 @@ __all__ = (
     "ScaleBySecondMomentState",
     "ScaleByStableAdamWState",
     "StochasticRoundingState",
+    "alternate",
     "apply_if_finite",
     "block_axes_of",
     "blockwise_init",
@@ -81,6 +84,7 @@ __all__ = (
     "clip_by_global_norm",
     "continue_stack",
     "for_each_leaf",
+    "join_stacks",
     "kahan",
     "kahan_apply_updates",
     "kahan_from_float32",

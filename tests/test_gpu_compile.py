@@ -9,6 +9,7 @@ CUDA plugin); without it the test is skipped, unless
 """
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -124,3 +125,25 @@ def test_blockwise_step_holds_one_blocks_gradients():
   assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
   assert "| blockwise | kahan(prodigy_factored(state_dtype=bf16)) |" in (
       out.stdout)
+
+
+@pytest.mark.slow
+def test_streaming_quick_models_every_setup():
+  # benchmarks.streaming at 2 + 4 FLUX.1-dev blocks: each setup compiled for
+  # the H200 and replayed by benchmarks.timeline
+  _need_plugin()
+  out = subprocess.run([sys.executable, "-m", "benchmarks.streaming",
+                        "--quick"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=1200)
+  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+  rows = json.loads((ROOT / "benchmarks/results/streaming_quick.json")
+                    .read_text())["rows"]
+  ref = rows["residuals on the device, batch 1"]
+  assert ref["ratio"] == 1.0 and ref["h2d_bytes"] == 0
+  for name, row in rows.items():
+    assert row["step_s"] >= row["gemm_s"] > 0, name
+    assert row["gemm_flops"] == pytest.approx(ref["gemm_flops"], rel=1e-9)
+  streamed = rows["1 + 2 blocks streamed, batch 1"]
+  plain = rows["residuals in host memory, even/odd buffers, batch 1"]
+  assert streamed["host_bytes"] > plain["host_bytes"] > 0
+  assert streamed["h2d_bytes"] > plain["h2d_bytes"]

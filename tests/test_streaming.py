@@ -21,14 +21,10 @@ from tests.test_blockwise import batch
 from tests.test_blockwise import init_params
 
 
-def _join(parts, counts):
-  """The original stacks from stream_blocks' parts (per stack, its parts)."""
-  out, it = [], iter(parts)
-  for n_parts in counts:
-    chunk = [next(it) for _ in range(n_parts)]
-    out.append(jax.tree.map(
-        lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *chunk))
-  return out
+def _joined(model, tree):
+  """The stacks of a stream_blocks layout joined back, as numpy arrays."""
+  return [jax.tree.map(np.asarray, stack)
+          for stack in ok.join_stacks(model, tree)[1].stacks]
 
 
 def _run(model, tx, params, state, steps, dtype):
@@ -54,27 +50,48 @@ def test_streamed_steps_equal_the_plain_steps_bit_for_bit(model):
   # the double stack split (1 on the device, 2 streamed), the other all on
   # the host
   smodel, sparams, sstate = ok.stream_blocks(model, params, state, (2, 2))
-  assert len(smodel.blocks) == 3 and len(sparams.stacks) == 3
-  assert smodel.transitions[0] is bw.continue_stack
-  assert smodel.transitions[1] is (model.transitions[0] if model.transitions
-                                   else None)
-  for part, host in zip(sstate.stacks, (False, True, True)):
+  # the double stack: block 0 on the device (residuals in host memory), its
+  # blocks 1 and 2 streamed as their even and odd blocks; the single
+  # stack's two blocks streamed the same way
+  assert [ok.num_blocks(x) for x in sparams.stacks] == [1, 1, 1, 1, 1]
+  join = model.transitions[0] if model.transitions else None
+  assert smodel.transitions == (bw.continue_stack, bw.alternate, join,
+                                bw.alternate)
+  for part, host in zip(sstate.stacks, (False, True, True, True, True)):
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(part)}
     assert kinds == ({"pinned_host"} if host else {"device", "pinned_host"})
   got = _run(smodel, tx, sparams, sstate, 4, dtype)
   assert got[0] == want[0]
-  for part, host in zip(got[1].stacks, (False, True, True)):
+  for part, host in zip(got[1].stacks, (False, True, True, True, True)):
     assert all((x.sharding.memory_kind == "pinned_host") == host
                for x in jax.tree.leaves(part))
-  counts = (2, 1)
-  for a, b in zip(_join(got[1].stacks, counts), want[1].stacks):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  for a, b in zip(_join(got[2].stacks, counts), want[2].stacks):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  for trees in ((got[1], want[1]),
+                (ok.kahan_residuals(got[2]), ok.kahan_residuals(want[2]))):
+    for a, b in zip(_joined(smodel, trees[0]), trees[1].stacks,
+                    strict=True):
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
   np.testing.assert_array_equal(
       np.asarray(got[1].head["w"]), np.asarray(want[1].head["w"]))
+  assert ok.join_stacks(smodel, got[1])[0].blocks == model.blocks
+
+
+@pytest.mark.parametrize("num_streamed", [(0, 0), (3, 0), (1, 1)])
+def test_every_layout_of_a_stack_trains_the_same(num_streamed):
+  """Odd and even part lengths, a part of one block, nothing streamed (the
+  residuals alone in even and odd buffers)."""
+  tx = ok.kahan(optax.adamw(1e-3))
+  params = init_params(jnp.bfloat16)
+  state = ok.blockwise_init(tx, params)
+  want = _run(MODEL, tx, jax.tree.map(jnp.copy, params),
+              jax.tree.map(jnp.copy, state), 3, jnp.bfloat16)
+  smodel, sparams, sstate = ok.stream_blocks(MODEL, params, state,
+                                             num_streamed)
+  got = _run(smodel, tx, sparams, sstate, 3, jnp.bfloat16)
+  assert got[0] == want[0]
+  for a, b in zip(_joined(smodel, got[1]), want[1].stacks, strict=True):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+      np.testing.assert_array_equal(x, np.asarray(y))
 
 
 def test_streamed_prodigy_keeps_its_lagged_d():
@@ -108,8 +125,12 @@ def test_stream_blocks_places_abstract_leaves_for_compiling_ahead():
   sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   _, p, s = ok.stream_blocks(MODEL, jax.tree.map(sds, params),
                              jax.tree.map(sds, state), (1, 0))
-  assert [jax.tree.leaves(x)[0].shape[0] for x in p.stacks] == [2, 1, 2]
-  assert {x.sharding.memory_kind for x in jax.tree.leaves(p.stacks[1])} == {
+  # the double stack: blocks 0, 1 on the device (as even and odd: their
+  # residuals are in host memory), block 2 streamed; the single stack as
+  # its even and odd blocks
+  assert [jax.tree.leaves(x)[0].shape[0] for x in p.stacks] == [1, 1, 1, 1,
+                                                                1]
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(p.stacks[2])} == {
       "pinned_host"}
 
 
@@ -139,13 +160,10 @@ with jax.set_mesh(mesh):
                      donate_argnums=(0, 1))
       for i in range(3):
         _, params, state = step(params, state, batch(i, jnp.bfloat16))
-      w = ok.kahan_to_float32(params, ok.kahan_residuals(state))
-      w = [np.asarray(x) for x in jax.tree.leaves(w)]
-      if streamed[0]:  # the double stack's two parts, joined
-        w = [np.concatenate([a, b]) for a, b in zip(w[3:7], w[7:11])
-             ] + w[:3] + w[11:]
-      else:
-        w = w[3:7] + w[:3] + w[7:]
+      _, joined = ok.join_stacks(model, params)
+      _, res = ok.join_stacks(model, ok.kahan_residuals(state))
+      w = [np.asarray(x) for x in jax.tree.leaves(
+          ok.kahan_to_float32(joined, res))]
       np.savez(f"{out}/{name}_{devices}_{sum(streamed)}.npz", *w)
       stack = jax.tree.leaves(params.stacks[-1])
       report[f"{name}/{sum(streamed)}"] = {

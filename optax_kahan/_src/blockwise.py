@@ -79,6 +79,20 @@ def continue_stack(carry: Carry, consts: Consts) -> Carry:
   return carry
 
 
+def alternate(carry: Carry, consts: Consts) -> Carry:
+  """Marks stacks ``s`` and ``s + 1`` (``transitions[s] = alternate``) as the
+  even and the odd blocks of one stack, run in alternation: 0, 1, 2, ...
+
+  ``stream_blocks`` lays out so each part of a stack whose blocks hold data in
+  host memory: two host buffers per leaf let a block's write-back (into one)
+  and the next block's fetch (from the other) run at the same time. It is a
+  marker for ``blockwise_step`` and ``blockwise_loss``, not a function to
+  run."""
+  raise TypeError("alternate marks two stacks as one stack's even and odd "
+                  "blocks; blockwise_step and blockwise_loss run them, it is "
+                  "not called")
+
+
 class BlockwiseModel(NamedTuple):
   """A model as embed -> scan over stacked blocks -> head, as pure functions.
 
@@ -248,16 +262,19 @@ def num_blocks(stack: Any) -> int:
   return jnp.shape(jax.tree.leaves(stack)[0])[0]
 
 
-def _part(x: Any, start: int, stop: int, host: bool) -> Any:
-  """Blocks ``start:stop`` of a stacked leaf (an array or an abstract
+def _part(x: Any, start: int, stop: int, host: bool, stride: int = 1
+          ) -> Any:
+  """Blocks ``start:stop:stride`` of a stacked leaf (an array or an abstract
   ``jax.ShapeDtypeStruct``), in host memory if ``host``."""
   if isinstance(x, jax.ShapeDtypeStruct):
     sharding = x.sharding
     if host and sharding is not None:
       sharding = sharding.with_memory_kind("pinned_host")
-    return jax.ShapeDtypeStruct((stop - start, *x.shape[1:]), x.dtype,
-                                sharding=sharding)
-  part = lax.slice_in_dim(x, start, stop)  # static: no gather on the host
+    return jax.ShapeDtypeStruct(
+        (len(range(start, stop, stride)), *x.shape[1:]), x.dtype,
+        sharding=sharding)
+  # static: no gather on the host
+  part = lax.slice_in_dim(x, start, stop, stride)
   return per_leaf.to_host(part) if host else part
 
 
@@ -312,19 +329,83 @@ def stream_blocks(
     if not 0 <= k <= n:
       raise ValueError(f"stream_blocks: num_streamed[{s}] = {k}, but stack "
                        f"{s} has {n} blocks")
-    parts = [(a, b) for a, b in ((0, n - k), (n - k, n)) if a < b]
-    for j, (a, b) in enumerate(parts):
-      if blocks:  # what runs between this part and the one before it
-        transitions.append(continue_stack if j else model.transition(s - 1))
+    first_part = True
+    for a, b in ((0, n - k), (n - k, n)):
+      if a == b:
+        continue
       host = a == n - k
-      blocks.append(model.blocks[s])
-      stacks.append(jax.tree.map(lambda x: _part(x, a, b, host), stack))
-      states.append(jax.tree.map(lambda x: _part(x, a, b, host),
-                                 stack_state))
+      cut = lambda tree, a, stride: jax.tree.map(
+          lambda x: _part(x, a, b, host, stride), tree)
+      # A part whose blocks hold host data goes as its even and odd blocks
+      # (two buffers per leaf), when it has two blocks or more.
+      on_host = host or any(
+          per_leaf.on_host(x) or getattr(getattr(x, "sharding", None),
+                                         "memory_kind", None) == "pinned_host"
+          for x in jax.tree.leaves(stack_state))
+      layout = ((a, 2), (a + 1, 2)) if on_host and b - a >= 2 else ((a, 1),)
+      for j, (start, stride) in enumerate(layout):
+        if blocks:  # what runs between this stack and the one before it
+          transitions.append(alternate if j else continue_stack
+                             if not first_part else model.transition(s - 1))
+        first_part = False
+        blocks.append(model.blocks[s])
+        stacks.append(cut(stack, start, stride))
+        states.append(cut(stack_state, start, stride))
   return (BlockwiseModel(model.embed, tuple(blocks), model.head,
                          tuple(transitions)),
           BlockwiseParams(params.embed, tuple(stacks), params.head),
           BlockwiseState(state.embed, tuple(states), state.head))
+
+
+def _interleave(even: jax.Array, odd: jax.Array) -> jax.Array:
+  """Blocks 0, 1, 2, ... from the even and the odd ones."""
+  ne, no = even.shape[0], odd.shape[0]
+  pairs = jnp.stack([even[:no], odd], axis=1).reshape(2 * no, *odd.shape[1:])
+  return jnp.concatenate([pairs, even[no:]]) if ne > no else pairs
+
+
+def join_stacks(model: BlockwiseModel, params: BlockwiseParams
+                ) -> tuple[BlockwiseModel, BlockwiseParams]:
+  """Undoes ``stream_blocks``: each stack whole again, in device memory.
+
+  The parts joined by ``continue_stack`` are concatenated and the even and
+  odd blocks joined by ``alternate`` interleaved, so the weights can be
+  written back into the model (``nnx.update``) or exported. Works on any
+  tree laid out like the params: pass ``kahan_residuals(state)`` for the
+  residuals.
+
+  Args:
+    model: the model ``stream_blocks`` returned.
+    params: a ``BlockwiseParams`` laid out as that model's stacks.
+
+  Returns:
+    ``(model, params)`` with one stack per original stack.
+  """
+  groups, current = [], []
+  for s in range(len(params.stacks)):
+    current.append(s)
+    if model.transition(s) not in (continue_stack, alternate):
+      groups.append(current)
+      current = []
+  blocks, transitions, stacks = [], [], []
+  for g in groups:
+    parts, s = [], 0
+    while s < len(g):
+      tree = jax.tree.map(_on_device, params.stacks[g[s]])
+      if model.transition(g[s]) is alternate:
+        odd = jax.tree.map(_on_device, params.stacks[g[s + 1]])
+        tree = jax.tree.map(_interleave, tree, odd)
+        s += 1
+      parts.append(tree)
+      s += 1
+    stacks.append(jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+                  if len(parts) > 1 else parts[0])
+    blocks.append(model.blocks[g[0]])
+    transitions.append(model.transition(g[-1]))
+  transitions = tuple(transitions[:-1]) if model.transitions else ()
+  return (BlockwiseModel(model.embed, tuple(blocks), model.head,
+                         transitions),
+          BlockwiseParams(params.embed, tuple(stacks), params.head))
 
 
 def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
@@ -374,8 +455,13 @@ def blockwise_loss(model: BlockwiseModel, params: BlockwiseParams,
   """
   _check_params(model, params)
   carry, consts = model.embed(params.embed, batch)
-  for s, (block, stack) in enumerate(zip(model.blocks, params.stacks)):
-    carry, _ = _forward_stack(jax.checkpoint(block), stack, carry, consts)
+  for run in _runs(model, len(params.stacks)):
+    block, s = jax.checkpoint(model.blocks[run[0]]), run[-1]
+    if len(run) == 1:
+      carry, _ = _forward_stack(block, params.stacks[s], carry, consts)
+    else:
+      carry, _ = _forward_alternating(
+          block, [params.stacks[i] for i in run], carry, consts)
     if model.transition(s) not in (None, continue_stack):
       carry = model.transition(s)(carry, consts)
   return model.head(params.head, carry, consts, batch)
@@ -549,6 +635,109 @@ def _backward_stack(tx, block, stack, stack_state, inputs, consts, ct,
   return ct, ct_consts, stack, stack_state
 
 
+def _runs(model: BlockwiseModel, n: int) -> list[tuple[int, ...]]:
+  """The stacks in running order: ``(s,)``, or ``(s, s + 1)`` for the even
+  and odd blocks of one stack (joined by ``alternate``)."""
+  runs, s = [], 0
+  while s < n:
+    if model.transition(s) is alternate:
+      runs.append((s, s + 1))
+      s += 2
+    else:
+      runs.append((s,))
+      s += 1
+  return runs
+
+
+def _forward_alternating(block, stacks, carry, consts):
+  """``_forward_stack`` over a stack laid out as its even and odd blocks:
+  block ``j + 1``'s host leaves are fetched (from the other buffer) while
+  block ``j`` computes. Returns the carry and the saved inputs, per parity."""
+  (even, tree_e), (odd, tree_o) = (jax.tree.flatten(t) for t in stacks)
+  ne, no = num_blocks(stacks[0]), num_blocks(stacks[1])
+
+  def run(leaves, treedef, staged, k, c):
+    return block(treedef.unflatten(_block_of(leaves, staged, k)), c, consts)
+
+  def body(loop, k):
+    c, staged = loop
+    ahead = _fetch(odd, k)
+    out = run(even, tree_e, staged, k, c)
+    ahead_even = _fetch(even, jnp.minimum(k + 1, ne - 1))
+    return (run(odd, tree_o, ahead, k, out), ahead_even), (c, out)
+
+  (carry, staged), (saved_e, saved_o) = lax.scan(
+      body, (carry, _fetch(even, 0)), jnp.arange(no))
+  if ne > no:  # the last block is even
+    saved_e = jax.tree.map(lambda x, c: jnp.concatenate([x, c[None]]),
+                           saved_e, carry)
+    carry = run(even, tree_e, staged, ne - 1, carry)
+  return carry, (saved_e, saved_o)
+
+
+def _backward_alternating(tx, block, stacks, states, inputs, consts, ct,
+                          ct_consts):
+  """``_backward_stack`` over a stack laid out as its even and odd blocks.
+
+  While block ``j`` computes, block ``j + 1``'s new host leaves are written
+  back into one parity's buffers and block ``j - 2``'s are fetched from the
+  other's, so the two PCIe directions never wait on each other (each
+  buffer's fetch is tied to it by an optimization barrier, so its next
+  write-back follows it and XLA copies no buffer). Blocks ``j - 1`` and
+  ``j - 2`` are on the device ahead of use, ``j + 1`` behind: four blocks'
+  host data in flight. Returns what ``_backward_stack`` returns, per parity.
+  """
+  flat = [jax.tree.flatten(t) for t in zip(stacks, states)]
+  treedef = flat[0][1]
+  ne, no = num_blocks(stacks[0]), num_blocks(stacks[1])
+  m = ne + no
+
+  def sub(j, par, loop):
+    ct, ct_consts, bufs, cur, nxt, pending, pidx = loop
+    bufs = list(bufs)
+    bufs[1 - par] = _write_back(bufs[1 - par], pending, pidx // 2)
+    fetched = _fetch(bufs[par], jnp.maximum(j - 2, par) // 2)
+    host = [k for k, x in enumerate(bufs[par]) if per_leaf.on_host(x)]
+    tied = lax.optimization_barrier(
+        ([bufs[par][k] for k in host], [fetched[k] for k in host]))
+    bufs[par] = list(bufs[par])
+    for k, x, y in zip(host, *tied):
+      bufs[par][k], fetched[k] = x, y
+    k = j // 2
+    params, state = treedef.unflatten(_block_of(bufs[par], cur, k))
+    _, vjp = jax.vjp(block, params, _take(inputs[par], k), consts)
+    grads, ct, ct_block = vjp(ct)
+    with validation.staged_by_caller():
+      new = jax.tree.leaves(per_leaf.apart_on_cpu(
+          functools.partial(_update, tx), grads, state, params))
+    pending = [y if per_leaf.on_host(x) else None
+               for x, y in zip(bufs[par], new)]
+    bufs[par] = [x if per_leaf.on_host(x)
+                 else lax.dynamic_update_index_in_dim(x, y, k, 0)
+                 for x, y in zip(bufs[par], new)]
+    return (ct, _add_cotangents(ct_consts, ct_block), bufs, nxt, fetched,
+            pending, jnp.asarray(j, jnp.int32))
+
+  bufs = [flat[0][0], flat[1][0]]
+  top = m - 1  # its parity, then m - 2's
+  cur = _fetch(bufs[top % 2], top // 2)
+  nxt = _fetch(bufs[1 - top % 2], (top - 1) // 2)
+  # the first write-back puts block m - 2's own values back (nothing new yet)
+  loop = (ct, ct_consts, bufs, cur, nxt, nxt, jnp.int32(top - 1))
+  if m % 2:  # the top block is even: one step before the pairs
+    loop = sub(top, 0, loop)
+
+  def body(q, loop):
+    j = 2 * (no - 1 - q) + 1
+    return sub(j - 1, 0, sub(j, 1, loop))
+
+  ct, ct_consts, bufs, _, _, pending, _ = lax.fori_loop(0, no, body, loop)
+  bufs[0] = _write_back(bufs[0], pending, 0)  # block 0's
+  (stack_e, state_e), (stack_o, state_o) = (treedef.unflatten(b)
+                                            for b in bufs)
+  return ct, ct_consts, (stack_e, stack_o), (state_e, state_o)
+
+
 def blockwise_step(
     model: BlockwiseModel,
     tx: optax.GradientTransformation,
@@ -618,9 +807,15 @@ def blockwise_step(
 
   (carry, consts), embed_vjp = jax.vjp(lambda p: model.embed(p, batch),
                                        params.embed)
+  runs = _runs(model, len(params.stacks))
   inputs, transitions = [], []
-  for s, (block, stack) in enumerate(zip(model.blocks, params.stacks)):
-    carry, saved = _forward_stack(block, stack, carry, consts)
+  for run in runs:
+    block, s = model.blocks[run[0]], run[-1]
+    if len(run) == 1:
+      carry, saved = _forward_stack(block, params.stacks[s], carry, consts)
+    else:
+      carry, saved = _forward_alternating(
+          block, [params.stacks[i] for i in run], carry, consts)
     inputs.append(saved)
     transition_vjp = None
     if model.transition(s) not in (None, continue_stack):
@@ -639,14 +834,24 @@ def blockwise_step(
       if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)
       else jnp.zeros_like(x), consts)
   ct_stack = zeros
-  for s in reversed(range(len(stacks))):
-    if transitions[s] is not None:
-      ct, ct_transition = transitions[s](ct)
+  for r in reversed(range(len(runs))):
+    run = runs[r]
+    if transitions[r] is not None:
+      ct, ct_transition = transitions[r](ct)
       ct_consts = _add_cotangents(ct_consts, ct_transition)
-    ct, ct_stack, stacks[s], stack_states[s] = _backward_stack(
-        tx, model.blocks[s], stacks[s], stack_states[s], inputs[s], consts,
-        ct, ct_stack)
-    if s == 0 or model.transition(s - 1) is not continue_stack:
+    if len(run) == 1:
+      s = run[0]
+      ct, ct_stack, stacks[s], stack_states[s] = _backward_stack(
+          tx, model.blocks[s], stacks[s], stack_states[s], inputs[r], consts,
+          ct, ct_stack)
+    else:
+      ct, ct_stack, new_stacks, new_states = _backward_alternating(
+          tx, model.blocks[run[0]], [stacks[i] for i in run],
+          [stack_states[i] for i in run], inputs[r], consts, ct, ct_stack)
+      for i, new, new_state in zip(run, new_stacks, new_states):
+        stacks[i], stack_states[i] = new, new_state
+    first = run[0]
+    if first == 0 or model.transition(first - 1) is not continue_stack:
       ct_consts = _add_cotangents(ct_consts, ct_stack)
       ct_stack = zeros
     # else the part before continues this stack's sum, as one stack's would
