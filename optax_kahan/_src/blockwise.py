@@ -595,13 +595,15 @@ def _backward_stack(tx, block, stack, stack_state, inputs, consts, ct,
 
   Leaves of the stack and its state that live in host memory (``kahan``'s
   residuals; streamed weights and state) are software-pipelined: while block
-  ``i`` computes, block ``i - 1``'s are copied in and block ``i + 1``'s new
-  ones are written back, so both PCIe directions run beside the compute.
-  Each leaf's copy in reads the stack its write-back produced (different
-  blocks, in that order), so XLA keeps one buffer per host stack and copies
-  none; the leaves' copies interleave. The first iteration writes back block
-  ``n - 1``'s old values (fetched before the loop) and the last fetches block
-  0 again: one block of each direction more than needed per stack.
+  ``i`` computes, block ``i + 1``'s new ones are written back and block
+  ``i - 1``'s are copied in, beside the compute. Each leaf's copy in reads
+  the stack its write-back produced (different blocks, in that order), so
+  XLA keeps one buffer per host leaf and copies none; but the two
+  directions of one leaf run one after the other (``stream_blocks``' even
+  and odd layout, ``_backward_alternating``, lets them run at once). The
+  first iteration writes back block ``n - 1``'s old values (fetched before
+  the loop) and the last fetches block 0 again: one block of each direction
+  more than needed per stack.
   """
   leaves, treedef = jax.tree.flatten((stack, stack_state))
   last = num_blocks(stack) - 1
@@ -612,20 +614,8 @@ def _backward_stack(tx, block, stack, stack_state, inputs, consts, ct,
     # Block i + 1's new host leaves go back, then block i - 1's come in.
     leaves = _write_back(leaves, pending, jnp.minimum(i + 1, last))
     ahead = _fetch(leaves, jnp.maximum(i - 1, 0))
-    params, state = treedef.unflatten(_block_of(leaves, staged, i))
-    _, vjp = jax.vjp(block, params, _take(inputs, i), consts)
-    grads, ct, ct_block = vjp(ct)
-    # On the CPU, XLA would fuse the block's update into the stacks' in-place
-    # writes, recomputing the new moments there from the old stacked ones,
-    # and then copy every stack the loop carries; an island prevents it.
-    with validation.staged_by_caller():
-      new = jax.tree.leaves(per_leaf.apart_on_cpu(
-          functools.partial(_update, tx), grads, state, params))
-    pending = [y if per_leaf.on_host(x) else None
-               for x, y in zip(leaves, new)]
-    leaves = [x if per_leaf.on_host(x)
-              else lax.dynamic_update_index_in_dim(x, y, i, 0)
-              for x, y in zip(leaves, new)]
+    ct, ct_block, leaves, pending = _step_block(
+        tx, block, leaves, treedef, staged, i, inputs, consts, ct)
     return ct, _add_cotangents(ct_consts, ct_block), leaves, ahead, pending
 
   staged = _fetch(leaves, last)
@@ -633,6 +623,27 @@ def _backward_stack(tx, block, stack, stack_state, inputs, consts, ct,
       0, last + 1, body, (ct, ct_consts, leaves, staged, staged))
   stack, stack_state = treedef.unflatten(_write_back(leaves, pending, 0))
   return ct, ct_consts, stack, stack_state
+
+
+def _step_block(tx, block, leaves, treedef, staged, k, inputs, consts, ct):
+  """Block ``k`` of a stack (its host leaves in ``staged``): its vjp, then its
+  update. Returns the cotangents (carry, ``consts``), the stack's leaves with
+  the new device leaves written in place, and the new host leaves (None for
+  the others), which the caller writes back."""
+  params, state = treedef.unflatten(_block_of(leaves, staged, k))
+  _, vjp = jax.vjp(block, params, _take(inputs, k), consts)
+  grads, ct, ct_block = vjp(ct)
+  # On the CPU, XLA would fuse the block's update into the stacks' in-place
+  # writes, recomputing the new moments there from the old stacked ones,
+  # and then copy every stack the loop carries; an island prevents it.
+  with validation.staged_by_caller():
+    new = jax.tree.leaves(per_leaf.apart_on_cpu(
+        functools.partial(_update, tx), grads, state, params))
+  pending = [y if per_leaf.on_host(x) else None for x, y in zip(leaves, new)]
+  leaves = [x if per_leaf.on_host(x)
+            else lax.dynamic_update_index_in_dim(x, y, k, 0)
+            for x, y in zip(leaves, new)]
+  return ct, ct_block, leaves, pending
 
 
 def _runs(model: BlockwiseModel, n: int) -> list[tuple[int, ...]]:
@@ -703,18 +714,8 @@ def _backward_alternating(tx, block, stacks, states, inputs, consts, ct,
     bufs[par] = list(bufs[par])
     for k, x, y in zip(host, *tied):
       bufs[par][k], fetched[k] = x, y
-    k = j // 2
-    params, state = treedef.unflatten(_block_of(bufs[par], cur, k))
-    _, vjp = jax.vjp(block, params, _take(inputs[par], k), consts)
-    grads, ct, ct_block = vjp(ct)
-    with validation.staged_by_caller():
-      new = jax.tree.leaves(per_leaf.apart_on_cpu(
-          functools.partial(_update, tx), grads, state, params))
-    pending = [y if per_leaf.on_host(x) else None
-               for x, y in zip(bufs[par], new)]
-    bufs[par] = [x if per_leaf.on_host(x)
-                 else lax.dynamic_update_index_in_dim(x, y, k, 0)
-                 for x, y in zip(bufs[par], new)]
+    ct, ct_block, bufs[par], pending = _step_block(
+        tx, block, bufs[par], treedef, cur, j // 2, inputs[par], consts, ct)
     return (ct, _add_cotangents(ct_consts, ct_block), bufs, nxt, fetched,
             pending, jnp.asarray(j, jnp.int32))
 
