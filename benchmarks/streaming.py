@@ -73,7 +73,8 @@ def make_tx(offload: bool = True):
 
 
 def compile_row(cfg, target: str, batch: int, offload: bool,
-                streamed: Optional[tuple[int, ...]]) -> dict[str, Any]:
+                streamed: Optional[tuple[int, ...]],
+                alternate: bool = True) -> dict[str, Any]:
   """One step compiled; its peak and modeled time."""
   mesh = gpu_compile.gpu_mesh(target)
   device = jax.NamedSharding(mesh.abstract_mesh, jax.P())
@@ -87,7 +88,8 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   state = blockwise_bench._state(tx, params, True, device,
                                  host if offload else device)
   if streamed is not None:
-    model, params, state = ok.stream_blocks(model, params, state, streamed)
+    model, params, state = ok.stream_blocks(model, params, state, streamed,
+                                            alternate_buffers=alternate)
   b = jax.tree.map(sds, flux_model.batch_spec(cfg, batch, 4096, 512))
   t0 = time.perf_counter()
   compiled = gpu_compile.compile_step(
@@ -97,7 +99,7 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   peak = (m.argument_size_in_bytes + m.output_size_in_bytes
           - m.alias_size_in_bytes + m.temp_size_in_bytes)
   t = timeline.model(compiled.as_text())
-  row = {"batch": batch, "offload": offload,
+  row = {"batch": batch, "offload": offload, "alternate": alternate,
          "streamed": None if streamed is None else list(streamed),
          "peak_bytes": peak, "temp_bytes": m.temp_size_in_bytes,
          "host_bytes": m.host_argument_size_in_bytes,
@@ -108,7 +110,7 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   return row
 
 
-def fewest_streamed(cfg, target: str, limit: float
+def fewest_streamed(cfg, target: str, limit: float, alternate: bool = True
                     ) -> tuple[int, int, dict]:
   """The fewest streamed blocks (single-stream ones first) whose batch-1
   step's compiled peak is at most ``limit`` bytes, by bisection over the
@@ -118,17 +120,18 @@ def fewest_streamed(cfg, target: str, limit: float
   lo, hi, found = 0, sum(counts), {}
   while lo < hi:
     k = (lo + hi) // 2
-    found[k] = compile_row(cfg, target, 1, True, streamed(k))
+    found[k] = compile_row(cfg, target, 1, True, streamed(k), alternate)
     if found[k]["peak_bytes"] <= limit:
       hi = k
     else:
       lo = k + 1
   if lo not in found:
-    found[lo] = compile_row(cfg, target, 1, True, streamed(lo))
+    found[lo] = compile_row(cfg, target, 1, True, streamed(lo), alternate)
   return (*streamed(lo), found[lo])
 
 
-def rows_for(cfg, target: str, quick: bool) -> dict[str, dict]:
+def rows_for(cfg, target: str, quick: bool, alternate: bool = True
+             ) -> dict[str, dict]:
   counts = (cfg.double_blocks, cfg.single_blocks)
   rows = {}
   for batch in (1,) if quick else (1, 2):
@@ -142,10 +145,12 @@ def rows_for(cfg, target: str, quick: bool) -> dict[str, dict]:
     rows["1 + 2 blocks streamed, batch 1"] = compile_row(
         cfg, target, 1, True, (1, 2))
   else:
-    d, s, row = fewest_streamed(cfg, target, 24e9)
-    rows[f"{d} + {s} blocks streamed (fewest under 24 GB), batch 1"] = row
-    rows[f"all {sum(counts)} blocks streamed, batch 1"] = compile_row(
-        cfg, target, 1, True, counts)
+    layout = "even/odd buffers" if alternate else "one buffer per leaf"
+    d, s, row = fewest_streamed(cfg, target, 24e9, alternate)
+    rows[f"{d} + {s} blocks streamed (fewest under 24 GB), {layout}, "
+         "batch 1"] = row
+    rows[f"all {sum(counts)} blocks streamed, {layout}, batch 1"] = (
+        compile_row(cfg, target, 1, True, counts, alternate))
   for row in rows.values():
     ref = rows[f"residuals on the device, batch {row['batch']}"]
     row["ratio"] = row["step_s"] / ref["step_s"]
@@ -186,6 +191,9 @@ def main(argv=None) -> dict:
                       help="2 + 4 blocks of width 3072, batch 1, no search")
   parser.add_argument("--target", default="h200",
                       choices=sorted(gpu_compile.TARGETS))
+  parser.add_argument("--one-buffer", action="store_true",
+                      help="the searched and all-streamed rows with "
+                      "stream_blocks(..., alternate_buffers=False)")
   parser.add_argument("--tag", default="",
                       help="a suffix for the results' names (a run under "
                       "other XLA_FLAGS)")
@@ -204,7 +212,7 @@ def main(argv=None) -> dict:
             f"{d} + {s} blocks streamed (fewest under {args.fit:g} GB), "
             "batch 1": {**row, "ratio": row["step_s"] / ref["step_s"]}}
   else:
-    rows = rows_for(cfg, args.target, args.quick)
+    rows = rows_for(cfg, args.target, args.quick, not args.one_buffer)
   n = flux_model.num_params(flux_model.abstract_params(cfg))
   r = {"target": args.target,
        "target_name": gpu_compile.gpu_mesh(args.target).devices.flat[0]

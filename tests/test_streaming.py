@@ -76,17 +76,19 @@ def test_streamed_steps_equal_the_plain_steps_bit_for_bit(model):
   assert ok.join_stacks(smodel, got[1])[0].blocks == model.blocks
 
 
-@pytest.mark.parametrize("num_streamed", [(0, 0), (3, 0), (1, 1)])
-def test_every_layout_of_a_stack_trains_the_same(num_streamed):
+@pytest.mark.parametrize("num_streamed, alternate", [
+    ((0, 0), True), ((3, 0), True), ((1, 1), True), ((2, 2), False)])
+def test_every_layout_of_a_stack_trains_the_same(num_streamed, alternate):
   """Odd and even part lengths, a part of one block, nothing streamed (the
-  residuals alone in even and odd buffers)."""
+  residuals alone in even and odd buffers), one buffer per leaf."""
   tx = ok.kahan(optax.adamw(1e-3))
   params = init_params(jnp.bfloat16)
   state = ok.blockwise_init(tx, params)
   want = _run(MODEL, tx, jax.tree.map(jnp.copy, params),
               jax.tree.map(jnp.copy, state), 3, jnp.bfloat16)
-  smodel, sparams, sstate = ok.stream_blocks(MODEL, params, state,
-                                             num_streamed)
+  smodel, sparams, sstate = ok.stream_blocks(
+      MODEL, params, state, num_streamed, alternate_buffers=alternate)
+  assert (bw.alternate in smodel.transitions) == alternate
   got = _run(smodel, tx, sparams, sstate, 3, jnp.bfloat16)
   assert got[0] == want[0]
   for a, b in zip(_joined(smodel, got[1]), want[1].stacks, strict=True):

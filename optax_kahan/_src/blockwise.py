@@ -280,7 +280,7 @@ def _part(x: Any, start: int, stop: int, host: bool, stride: int = 1
 
 def stream_blocks(
     model: BlockwiseModel, params: BlockwiseParams, state: BlockwiseState,
-    num_streamed: Sequence[int],
+    num_streamed: Sequence[int], *, alternate_buffers: bool = True,
 ) -> tuple[BlockwiseModel, BlockwiseParams, BlockwiseState]:
   """Moves the last blocks of each stack, weights and state, to host memory.
 
@@ -309,6 +309,11 @@ def stream_blocks(
     state: its ``BlockwiseState`` (from ``blockwise_init``).
     num_streamed: per stack, how many of its last blocks live in host
       memory (0 to its number of blocks).
+    alternate_buffers: lay each part with host data out as its even and odd
+      blocks (two buffers per leaf: the write-back and the next fetch run at
+      once; four blocks' host data on the device). False keeps one buffer
+      per leaf: two blocks' host data on the device, a lower peak, and each
+      leaf's two directions one after the other.
 
   Returns:
     ``(model, params, state)`` with the stacks split and placed.
@@ -342,7 +347,9 @@ def stream_blocks(
           per_leaf.on_host(x) or getattr(getattr(x, "sharding", None),
                                          "memory_kind", None) == "pinned_host"
           for x in jax.tree.leaves(stack_state))
-      layout = ((a, 2), (a + 1, 2)) if on_host and b - a >= 2 else ((a, 1),)
+      layout = (((a, 2), (a + 1, 2))
+                if alternate_buffers and on_host and b - a >= 2
+                else ((a, 1),))
       for j, (start, stride) in enumerate(layout):
         if blocks:  # what runs between this stack and the one before it
           transitions.append(alternate if j else continue_stack
