@@ -192,8 +192,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--target", default="h200",
                       choices=sorted(gpu_compile.TARGETS))
   parser.add_argument("--one-buffer", action="store_true",
-                      help="the searched and all-streamed rows with "
-                      "stream_blocks(..., alternate_buffers=False)")
+                      help="the searched and all-streamed rows (and --fit) "
+                      "with stream_blocks(..., alternate_buffers=False)")
   parser.add_argument("--tag", default="",
                       help="a suffix for the results' names (a run under "
                       "other XLA_FLAGS)")
@@ -206,7 +206,8 @@ def main(argv=None) -> dict:
     cfg = dataclasses.replace(cfg, double_blocks=2, single_blocks=4)
   cfg = dataclasses.replace(cfg, heads_per_chunk=2)
   if args.fit:
-    d, s, row = fewest_streamed(cfg, args.target, args.fit * 1e9)
+    d, s, row = fewest_streamed(cfg, args.target, args.fit * 1e9,
+                                not args.one_buffer)
     ref = compile_row(cfg, args.target, 1, False, None)
     rows = {"residuals on the device, batch 1": {**ref, "ratio": 1.0},
             f"{d} + {s} blocks streamed (fewest under {args.fit:g} GB), "
