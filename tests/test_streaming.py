@@ -77,7 +77,10 @@ def test_streamed_steps_equal_the_plain_steps_bit_for_bit(model):
 
 
 @pytest.mark.parametrize("num_streamed, alternate", [
-    ((0, 0), True), ((3, 0), True), ((1, 1), True), ((2, 2), False)])
+    ((0, 0), True),
+    pytest.param((3, 0), True, marks=pytest.mark.slow),  # 10 s each
+    pytest.param((1, 1), True, marks=pytest.mark.slow),
+    pytest.param((2, 2), False, marks=pytest.mark.slow)])
 def test_every_layout_of_a_stack_trains_the_same(num_streamed, alternate):
   """Odd and even part lengths, a part of one block, nothing streamed (the
   residuals alone in even and odd buffers), one buffer per leaf."""
@@ -96,6 +99,7 @@ def test_every_layout_of_a_stack_trains_the_same(num_streamed, alternate):
       np.testing.assert_array_equal(x, np.asarray(y))
 
 
+@pytest.mark.slow  # 15 s
 def test_streamed_prodigy_keeps_its_lagged_d():
   tx = ok.kahan(ok.prodigy_factored(lagged_d=True))
   params = init_params(jnp.bfloat16)
