@@ -7,7 +7,9 @@ FLUX.1-dev at reduced depth (4 double + 8 single blocks of width 3072,
 2.5B params), batch 1 at 1024x1024, ``blockwise_step`` of
 ``kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))`` with random
 weights, in three setups: residuals on the device, residuals in host memory
-(the default), and every block streamed (``stream_blocks``). Each setup runs
+(``stream_blocks(..., (0, 0))``: even and odd buffers), and every block
+streamed (``stream_blocks``). Run it under the XLA flag the README's table
+uses (``benchmarks/gpu.sh`` sets it). Each setup runs
 in a process of its own (the device's ``peak_bytes_in_use`` counts from the
 process start): it compiles the step, reads the compiled peak and the
 ``benchmarks.timeline`` model of the compiled schedule, runs 2 warm-up and
@@ -61,9 +63,10 @@ def run_setup(setup: str, tiny: bool, steps: int) -> dict:
   tx = ok.kahan(ok.prodigy_factored(lagged_d=True, state_dtype=jnp.bfloat16),
                 offload=setup != "residuals on the device")
   state = ok.blockwise_init(tx, params)
-  if setup == "all blocks streamed":
+  if setup != "residuals on the device":  # even and odd host buffers
     model, params, state = ok.stream_blocks(
-        model, params, state, (cfg.double_blocks, cfg.single_blocks))
+        model, params, state, (cfg.double_blocks, cfg.single_blocks)
+        if setup == "all blocks streamed" else (0, 0))
   spec = flux_model.batch_spec(cfg, 1, *tokens)
   batch = {k: jax.device_put(jnp.ones(v.shape, v.dtype) * 0.1, device)
            for k, v in spec.items()}

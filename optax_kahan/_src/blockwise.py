@@ -510,15 +510,20 @@ def _forward_stack(block, stack, carry, consts):
   compute (the last iteration fetches its own block again)."""
   leaves, treedef = jax.tree.flatten(stack)
   last = num_blocks(stack) - 1
+  # Device leaves are the scan's xs (their gradient, under jax.grad, is its
+  # stacked output, as for a plain lax.scan over the stack).
+  device = [None if per_leaf.on_host(x) else x for x in leaves]
 
-  def body(loop, i):
+  def body(loop, xs):
     c, staged = loop
+    sliced, i = xs
     ahead = _fetch(leaves, jnp.minimum(i + 1, last))
-    params = treedef.unflatten(_block_of(leaves, staged, i))
+    params = treedef.unflatten([y if x is None else x
+                                for x, y in zip(sliced, staged)])
     return (block(params, c, consts), ahead), c
 
   (carry, _), saved = lax.scan(body, (carry, _fetch(leaves, 0)),
-                               jnp.arange(last + 1))
+                               (device, jnp.arange(last + 1)))
   return carry, saved
 
 
