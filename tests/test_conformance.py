@@ -463,6 +463,7 @@ emit(report)
 '''
 
 
+@pytest.mark.slow  # 25 s: a child process with 8 devices
 def test_explicit_and_auto_sharding_on_leading_and_non_leading_axes():
   report = run_child(SHARDED, timeout=600)
   failed = {k: v for k, v in report.items() if not v["ok"]}

@@ -7,6 +7,7 @@ weights must agree with the same training in one process with 8 devices.
 """
 
 import numpy as np
+import pytest
 
 from _subprocess import finish, free_port, start
 
@@ -53,6 +54,7 @@ def _two_processes(tmp_path):
         p.communicate()
 
 
+@pytest.mark.slow  # 15 s: three child processes
 def test_two_processes_agree_with_one(tmp_path):
   """Once in some fifteen runs on a 2-core machine, the pair hung in gloo
   (connected, then no progress) and was killed; it then gets one more try

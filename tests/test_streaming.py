@@ -38,8 +38,9 @@ def _run(model, tx, params, state, steps, dtype):
   return losses, params, state
 
 
-@pytest.mark.parametrize("model", [MODEL, JOINED], ids=["two stacks",
-                                                        "transition"])
+@pytest.mark.parametrize("model", [
+    pytest.param(MODEL, id="two stacks"),
+    pytest.param(JOINED, id="transition", marks=pytest.mark.slow)])  # 10 s
 def test_streamed_steps_equal_the_plain_steps_bit_for_bit(model):
   tx = ok.kahan(optax.adamw(1e-3))
   dtype = jnp.bfloat16

@@ -284,24 +284,45 @@ def stream_blocks(
 ) -> tuple[BlockwiseModel, BlockwiseParams, BlockwiseState]:
   """Moves the last blocks of each stack, weights and state, to host memory.
 
-  ``blockwise_step`` streams every stack whose leaves live in host memory
-  (``pinned_host``): the forward pass fetches block ``i + 1``'s weights
-  while block ``i`` computes, and the backward pass fetches block ``i - 1``'s
-  weights, state and residuals while block ``i`` computes and writes block
-  ``i + 1``'s new ones back. The device then holds a few blocks of those
-  stacks instead of all of them (sd-scripts' ``--blocks_to_swap``, applied
-  to the optimizer state and ``kahan``'s residuals too). Stack ``s`` with
-  ``0 < num_streamed[s] < num_blocks`` becomes two stacks run one after
-  the other with no transition between them: its first blocks on the
-  device, its last ``num_streamed[s]`` in host memory, joined by the
-  transition ``continue_stack``. The arithmetic is unchanged: the step
-  computes what it computes without streaming, bit for bit (Prodigy's late
-  sums aside, which add the parts' sums in another order).
+  ``blockwise_step`` streams whatever lives in host memory (``pinned_host``):
+  the forward pass fetches block ``j + 1``'s weights while block ``j``
+  computes; the backward pass, while block ``j`` computes, writes block
+  ``j + 1``'s new weights, state and residuals back and fetches the next
+  block's. The device then holds a few blocks of those stacks instead of
+  all of them (sd-scripts' ``--blocks_to_swap``, applied to the optimizer
+  state and ``kahan``'s residuals too).
 
-  Call it after ``blockwise_init`` (on arrays, or on abstract
-  ``jax.ShapeDtypeStruct`` leaves to compile ahead). The result's stacks
-  are the parts; join a stack's two parts with ``jnp.concatenate`` on each
-  leaf to write the weights back into the model.
+  Layout: stack ``s`` with ``0 < num_streamed[s] < num_blocks`` becomes two
+  parts, its first blocks on the device and its last ``num_streamed[s]`` in
+  host memory, joined by the transition ``continue_stack``. With
+  ``alternate_buffers``, a part whose blocks hold host data (streamed, or
+  ``kahan``'s residuals) is laid out as two stacks, its even and its odd
+  blocks, joined by ``alternate``: a block's write-back goes into one and
+  the next fetch comes from the other, so the two PCIe directions run at
+  once. ``num_streamed = (0, ...)`` moves nothing and lays the residuals out
+  so. ``join_stacks`` undoes the layout.
+
+  The arithmetic is unchanged: the step computes what it computes without
+  streaming, bit for bit (Prodigy's late sums aside: they add the parts'
+  sums in another order). Call it after ``blockwise_init``, on arrays or on
+  abstract ``jax.ShapeDtypeStruct`` leaves (to compile ahead).
+
+  Example:
+    >>> import optax
+    >>> model = BlockwiseModel(
+    ...     embed=lambda p, x: (x * p["w"], ()),
+    ...     blocks=(lambda p, h, _: jnp.tanh(h @ p["w"]),),
+    ...     head=lambda p, h, _, x: jnp.mean((h @ p["w"] - x) ** 2))
+    >>> params = BlockwiseParams(
+    ...     embed={"w": jnp.ones(4)}, stacks=({"w": jnp.ones((5, 4, 4)) / 4},),
+    ...     head={"w": jnp.eye(4)})
+    >>> tx = optax.adamw(1e-3)
+    >>> state = blockwise_init(tx, params)
+    >>> model, params, state = stream_blocks(model, params, state, (3,))
+    >>> [num_blocks(stack) for stack in params.stacks]  # device, even, odd
+    [2, 2, 1]
+    >>> loss, params, state = blockwise_step(model, tx, params, state,
+    ...                                      jnp.arange(4.0))
 
   Args:
     model: the model's functions.
