@@ -36,6 +36,13 @@ One block's gradients are alive at a time, and the optimizer's scratch is
 one block's. With ``kahan(...)`` a stack's residuals are one host array per
 leaf; a block's slice comes to the device for its update and goes back after.
 
+Streaming: whatever lives in host memory (the residuals; with
+``stream_blocks``, whole blocks' weights and state) is software-pipelined,
+fetched a block or two ahead and written back a block behind, so the copies
+run beside the compute. ``stream_blocks`` lays a stack's host data out as
+its even and odd blocks, so that a write-back and the next fetch use
+different buffers and both PCIe directions run at once.
+
 Which transformations: ``tx`` is applied to each group of weights (the
 embedding, each block, the head) with its own state, so it must act leaf by
 leaf (its per-leaf form, ``optax_kahan.per_leaf``, with no round before the
