@@ -136,8 +136,9 @@ def test_streaming_quick_models_every_setup():
                         "--quick"], cwd=ROOT, capture_output=True, text=True,
                        timeout=1200)
   assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-  rows = json.loads((ROOT / "benchmarks/results/streaming_quick.json")
-                    .read_text())["rows"]
+  with open(os.path.join(ROOT, "benchmarks", "results",
+                         "streaming_quick.json")) as f:
+    rows = json.load(f)["rows"]
   ref = rows["residuals on the device, batch 1"]
   assert ref["ratio"] == 1.0 and ref["h2d_bytes"] == 0
   for name, row in rows.items():
