@@ -19,7 +19,5 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 python3 -m benchmarks.speed --reps 30
 python3 -m benchmarks.gpu_step --width 384 --batch 256 --reps 30
 if [ -f benchmarks/step_memory.py ]; then python3 -m benchmarks.step_memory; fi
-# the streaming FLUX step (4 + 8 blocks), measured against the model, under the
-# flag the README's streaming table was compiled with
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_parallel_async_compute_limit=64" \
-  python3 -m benchmarks.stream_gpu --steps 5
+# the streaming FLUX step (4 + 8 blocks), measured against the model
+python3 -m benchmarks.stream_gpu --steps 5

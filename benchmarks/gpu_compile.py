@@ -69,7 +69,7 @@ import math
 import re
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 from jax.experimental import topologies
@@ -251,9 +251,11 @@ def bytes_accessed(hlo: str) -> int:
   return total
 
 
-def compile_step(step: Callable, args: tuple, mesh, donate=(0, 1)):
+def compile_step(step: Callable, args: tuple, mesh, donate=(0, 1),
+                 compiler_options: Optional[dict[str, Any]] = None):
   with jax.set_mesh(mesh):
-    return jax.jit(step, donate_argnums=donate).lower(*args).compile()
+    return jax.jit(step, donate_argnums=donate,
+                   compiler_options=compiler_options).lower(*args).compile()
 
 
 def report_of(compiled, n: int, target: str, largest: int) -> dict[str, Any]:

@@ -7,13 +7,14 @@ FLUX.1-dev at reduced depth (4 double + 8 single blocks of width 3072,
 2.5B params), batch 1 at 1024x1024, ``blockwise_step`` of
 ``kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))`` with random
 weights, in three setups: residuals on the device, residuals in host memory
-(``stream_blocks(..., (0, 0))``: even and odd buffers), and every block
-streamed (``stream_blocks``). Run it under the XLA flag the README's table
-uses (``benchmarks/gpu.sh`` sets it). Each setup runs
+(``stream_blocks(..., (0, 0))``: a spare buffer per leaf), and every block
+streamed (``stream_blocks``), each jitted with
+``ok.STREAMING_COMPILER_OPTIONS`` as the README's table. Each setup runs
 in a process of its own (the device's ``peak_bytes_in_use`` counts from the
-process start): it compiles the step, reads the compiled peak and the
-``benchmarks.timeline`` model of the compiled schedule, runs 2 warm-up and
-``--steps`` timed steps, and reports the measured peak and median step time.
+process start): it compiles the step (once per role of the spare
+buffers), reads the compiled peak and the ``benchmarks.timeline`` model of
+the compiled schedule, runs ``--warmup`` untimed (2) and ``--steps`` timed
+steps, and reports the measured peak and median step time.
 The table sets the measured step-time ratios (to residuals on the device)
 beside the modeled ones, and the measured peak beside the compiled one.
 
@@ -35,7 +36,7 @@ SETUPS = ("residuals on the device", "residuals in host memory",
           "all blocks streamed")
 
 
-def run_setup(setup: str, tiny: bool, steps: int) -> dict:
+def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2) -> dict:
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -63,7 +64,7 @@ def run_setup(setup: str, tiny: bool, steps: int) -> dict:
   tx = ok.kahan(ok.prodigy_factored(lagged_d=True, state_dtype=jnp.bfloat16),
                 offload=setup != "residuals on the device")
   state = ok.blockwise_init(tx, params)
-  if setup != "residuals on the device":  # even and odd host buffers
+  if setup != "residuals on the device":  # spare host buffers
     model, params, state = ok.stream_blocks(
         model, params, state, (cfg.double_blocks, cfg.single_blocks)
         if setup == "all blocks streamed" else (0, 0))
@@ -71,8 +72,18 @@ def run_setup(setup: str, tiny: bool, steps: int) -> dict:
   batch = {k: jax.device_put(jnp.ones(v.shape, v.dtype) * 0.1, device)
            for k, v in spec.items()}
   step = jax.jit(lambda p, s, b: ok.blockwise_step(model, tx, p, s, b),
-                 donate_argnums=(0, 1))
-  compiled = step.lower(params, state, batch).compile()
+                 donate_argnums=(0, 1),
+                 compiler_options=ok.STREAMING_COMPILER_OPTIONS)
+  # one program per role of the spare buffers, each compiled once, ahead
+  programs = {}
+
+  def program(params, state):
+    key = jax.tree.structure((params, state))
+    if key not in programs:
+      programs[key] = step.lower(params, state, batch).compile()
+    return programs[key]
+
+  compiled = program(params, state)
   m = compiled.memory_analysis()
   compiled_peak = (m.argument_size_in_bytes + m.output_size_in_bytes
                    - m.alias_size_in_bytes + m.temp_size_in_bytes)
@@ -80,11 +91,11 @@ def run_setup(setup: str, tiny: bool, steps: int) -> dict:
   modeled = (timeline.model(compiled.as_text()).step_s
              if device.platform == "gpu" else None)
   times = []
-  for i in range(2 + steps):
+  for i in range(warmup + steps):
     t0 = time.perf_counter()
-    loss, params, state = step(params, state, batch)
+    loss, params, state = program(params, state)(params, state, batch)
     loss.block_until_ready()
-    if i >= 2:
+    if i >= warmup:
       times.append(time.perf_counter() - t0)
   stats = device.memory_stats() or {}
   return {"setup": setup, "device": device.device_kind,
@@ -122,15 +133,20 @@ def main(argv=None) -> dict:
   parser.add_argument("--tiny", action="store_true",
                       help="FluxConfig.tiny(), a smoke run")
   parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--warmup", type=int, default=2,
+                      help="untimed steps first (2: both roles of the spare "
+                      "buffers compiled and run once)")
   parser.add_argument("--setup", choices=SETUPS, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.setup:  # a child: one setup, its JSON on the last line
-    print(json.dumps(run_setup(args.setup, args.tiny, args.steps)))
+    print(json.dumps(run_setup(args.setup, args.tiny, args.steps,
+                               args.warmup)))
     return {}
   rows = []
   for setup in SETUPS:
     cmd = [sys.executable, "-m", "benchmarks.stream_gpu", "--setup", setup,
-           "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
+           "--steps", str(args.steps), "--warmup", str(args.warmup)] + (
+               ["--tiny"] if args.tiny else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"  {setup}: {rows[-1]['median_s'] * 1e3:.1f} ms", flush=True)

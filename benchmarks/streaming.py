@@ -8,15 +8,17 @@ Nothing runs. Each step is ``optax_kahan.blockwise_step`` of
 ``kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))`` on
 ``benchmarks.flux_model`` at FLUX.1-dev's real dimensions (11.9B params),
 batch 1 (and 2) at 1024x1024, compiled deviceless from abstract arguments
-(``benchmarks.gpu_compile``), params and state donated. Rows:
+(``benchmarks.gpu_compile``), params and state donated, with
+``ok.STREAMING_COMPILER_OPTIONS`` (one row without, to show what they do).
+Rows:
 
 * residuals on the device (``kahan(..., offload=False)``): the reference
   time, and the peak a card would need without offload;
 * residuals in host memory, weights and state on the device: as
   ``blockwise_init`` lays them out (one host buffer per leaf: a block's
-  write-back and the next block's fetch run one after the other), and as
-  ``stream_blocks(..., (0, 0))`` lays them out (each stack's even and odd
-  blocks in two buffers: both directions at once);
+  fetch waits for the previous block's write-back), and as
+  ``stream_blocks(..., (0, 0))`` lays them out (a spare buffer per leaf:
+  read one, write the other, both directions at once);
 * ``stream_blocks``: the last blocks of the stacks, weights, state and
   residuals, in host memory. Single-stream blocks go first: a single block
   moves 283 MB of weights against about 4 TFLOP of backward compute, a
@@ -25,15 +27,20 @@ batch 1 (and 2) at 1024x1024, compiled deviceless from abstract arguments
   57 blocks (the smallest peak streaming reaches).
 
 Read from each program: the device peak (arguments + outputs - aliased +
-temporaries, ``memory_analysis()``), the margin to a card of 24 or 12 GiB
-after 0.5 GB of CUDA context, and the ``benchmarks.timeline`` model of its
-schedule (gemms at 700 TFLOP/s, PCIe 50 GB/s per direction, other kernels
-free): modeled step time, its ratio to the residuals-on-device step at the
-same batch, and the share of each PCIe direction hidden behind compute.
-Estimates from the compiled schedule, not measurements.
+temporaries, ``memory_analysis()``), the host memory its arguments take,
+the margin to a card of 24 or 12 GiB after 0.5 GB of CUDA context, and the
+``benchmarks.timeline`` model of its schedule (gemms at 700 TFLOP/s, PCIe
+50 GB/s per direction, other kernels free): modeled step time, its ratio to
+the residuals-on-device step at the same batch, and the share of each PCIe
+direction hidden behind compute. Estimates from the compiled schedule, not
+measurements.
 
-``--quick``: 2 + 4 blocks of width 256, batch 1, no search (for CI). ``--fit GB``: only the search for a peak of at most GB (for the
-32 GB card: ``--fit 32``), to ``results/streaming_fit<GB>``. Writes
+``--quick``: 2 + 4 blocks of width 256, batch 1, no search (for CI).
+``--fit GB``: only the search for a peak of at most GB (for the 32 GB card:
+``--fit 32``), to ``results/streaming_fit<GB>``. ``--one-buffer``: the
+streamed rows with ``stream_blocks(..., spare_buffers=False)``.
+``--device-residuals``: with ``--fit``, ``kahan(..., offload=False)``: the
+blocks not streamed keep their residuals on the device. Writes
 ``benchmarks/results/streaming{,_quick}.{md,json}``.
 """
 
@@ -72,9 +79,10 @@ def make_tx(offload: bool = True):
 
 
 def compile_row(cfg, target: str, batch: int, offload: bool,
-                streamed: Optional[tuple[int, ...]],
-                alternate: bool = True) -> dict[str, Any]:
-  """One step compiled; its peak and modeled time."""
+                streamed: Optional[tuple[int, ...]], spare: bool = True,
+                options: bool = True) -> dict[str, Any]:
+  """One step compiled (with ``STREAMING_COMPILER_OPTIONS``, or XLA's
+  defaults); its peak and modeled time."""
   mesh = gpu_compile.gpu_mesh(target)
   device = jax.NamedSharding(mesh.abstract_mesh, jax.P())
   host = jax.NamedSharding(mesh.abstract_mesh, jax.P(),
@@ -88,17 +96,18 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
                                  host if offload else device)
   if streamed is not None:
     model, params, state = ok.stream_blocks(model, params, state, streamed,
-                                            alternate_buffers=alternate)
+                                            spare_buffers=spare)
   b = jax.tree.map(sds, flux_model.batch_spec(cfg, batch, 4096, 512))
   t0 = time.perf_counter()
   compiled = gpu_compile.compile_step(
       lambda p, s, x: ok.blockwise_step(model, tx, p, s, x), (params, state, b),
-      mesh)
+      mesh, compiler_options=ok.STREAMING_COMPILER_OPTIONS if options else None)
   m = compiled.memory_analysis()
   peak = (m.argument_size_in_bytes + m.output_size_in_bytes
           - m.alias_size_in_bytes + m.temp_size_in_bytes)
   t = timeline.model(compiled.as_text())
-  row = {"batch": batch, "offload": offload, "alternate": alternate,
+  row = {"batch": batch, "offload": offload, "spare": spare,
+         "options": options,
          "streamed": None if streamed is None else list(streamed),
          "peak_bytes": peak, "temp_bytes": m.temp_size_in_bytes,
          "host_bytes": m.host_argument_size_in_bytes,
@@ -109,27 +118,28 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   return row
 
 
-def fewest_streamed(cfg, target: str, limit: float, alternate: bool = True
-                    ) -> tuple[int, int, dict]:
+def fewest_streamed(cfg, target: str, limit: float, spare: bool = True,
+                    offload: bool = True) -> tuple[int, int, dict]:
   """The fewest streamed blocks (single-stream ones first) whose batch-1
   step's compiled peak is at most ``limit`` bytes, by bisection over the
-  count (the peak falls as the count grows)."""
+  count (the peak falls as the count grows). ``offload=False``: the blocks
+  not streamed keep their residuals on the device."""
   counts = (cfg.double_blocks, cfg.single_blocks)
   streamed = lambda k: (max(0, k - counts[1]), min(k, counts[1]))
   lo, hi, found = 0, sum(counts), {}
   while lo < hi:
     k = (lo + hi) // 2
-    found[k] = compile_row(cfg, target, 1, True, streamed(k), alternate)
+    found[k] = compile_row(cfg, target, 1, offload, streamed(k), spare)
     if found[k]["peak_bytes"] <= limit:
       hi = k
     else:
       lo = k + 1
   if lo not in found:
-    found[lo] = compile_row(cfg, target, 1, True, streamed(lo), alternate)
+    found[lo] = compile_row(cfg, target, 1, offload, streamed(lo), spare)
   return (*streamed(lo), found[lo])
 
 
-def rows_for(cfg, target: str, quick: bool, alternate: bool = True
+def rows_for(cfg, target: str, quick: bool, spare: bool = True
              ) -> dict[str, dict]:
   counts = (cfg.double_blocks, cfg.single_blocks)
   rows = {}
@@ -138,18 +148,20 @@ def rows_for(cfg, target: str, quick: bool, alternate: bool = True
         cfg, target, batch, False, None)
     rows[f"residuals in host memory, one buffer per leaf, batch {batch}"] = (
         compile_row(cfg, target, batch, True, None))
-    rows[f"residuals in host memory, even/odd buffers, batch {batch}"] = (
+    rows[f"residuals in host memory, spare buffers, batch {batch}"] = (
         compile_row(cfg, target, batch, True, (0, 0)))
+  rows["residuals in host memory, spare buffers, XLA's default options, "
+       "batch 1"] = compile_row(cfg, target, 1, True, (0, 0), options=False)
+  layout = "spare buffers" if spare else "one buffer per leaf"
   if quick:
-    rows["1 + 2 blocks streamed, batch 1"] = compile_row(
-        cfg, target, 1, True, (1, 2))
+    rows[f"1 + 2 blocks streamed, {layout}, batch 1"] = compile_row(
+        cfg, target, 1, True, (1, 2), spare)
   else:
-    layout = "even/odd buffers" if alternate else "one buffer per leaf"
-    d, s, row = fewest_streamed(cfg, target, 24e9, alternate)
+    d, s, row = fewest_streamed(cfg, target, 24e9, spare)
     rows[f"{d} + {s} blocks streamed (fewest under 24 GB), {layout}, "
          "batch 1"] = row
     rows[f"all {sum(counts)} blocks streamed, {layout}, batch 1"] = (
-        compile_row(cfg, target, 1, True, counts, alternate))
+        compile_row(cfg, target, 1, True, counts, spare))
   for row in rows.values():
     ref = rows[f"residuals on the device, batch {row['batch']}"]
     row["ratio"] = row["step_s"] / ref["step_s"]
@@ -167,8 +179,10 @@ def to_markdown(r: dict) -> str:
       f"{timeline.PCIE / 1e9:.0f} GB/s per direction, other kernels free "
       "(an estimate); ratio to the residuals-on-device step at the same "
       "batch; hidden: the share of each direction's PCIe time that runs "
-      "beside compute. XLA_FLAGS: "
-      f"`{r.get('xla_flags') or '(none)'}`.", "",
+      "beside compute. Compiled with `ok.STREAMING_COMPILER_OPTIONS` "
+      f"(`{r['compiler_options']}`) unless the row says otherwise; host GB: "
+      "the step's arguments in host memory (with spare buffers, both "
+      f"buffers). XLA_FLAGS: `{r.get('xla_flags') or '(none)'}`.", "",
       "| setup | device peak GB | margin 24 GiB | margin 12 GiB | host GB | "
       "modeled ms | ratio | H2D GB (hidden) | D2H GB (hidden) |",
       "|---|---|---|---|---|---|---|---|---|"]
@@ -192,13 +206,17 @@ def main(argv=None) -> dict:
                       choices=sorted(gpu_compile.TARGETS))
   parser.add_argument("--one-buffer", action="store_true",
                       help="the searched and all-streamed rows (and --fit) "
-                      "with stream_blocks(..., alternate_buffers=False)")
+                      "with stream_blocks(..., spare_buffers=False)")
   parser.add_argument("--tag", default="",
                       help="a suffix for the results' names (a run under "
                       "other XLA_FLAGS)")
   parser.add_argument("--fit", type=float, metavar="GB",
                       help="only the fewest streamed blocks whose peak is at "
                       "most GB (1e9 bytes), to results/streaming_fit<GB>")
+  parser.add_argument("--device-residuals", action="store_true",
+                      help="with --fit: kahan(..., offload=False), the "
+                      "blocks not streamed keep their residuals on the "
+                      "device")
   args = parser.parse_args(argv)
   cfg = flux_model.FluxConfig.dev()
   if args.quick:  # compiles in seconds: for CI
@@ -207,11 +225,15 @@ def main(argv=None) -> dict:
   cfg = dataclasses.replace(cfg, heads_per_chunk=2)
   if args.fit:
     d, s, row = fewest_streamed(cfg, args.target, args.fit * 1e9,
-                                not args.one_buffer)
+                                not args.one_buffer,
+                                not args.device_residuals)
     ref = compile_row(cfg, args.target, 1, False, None)
+    where = (", the others' residuals on the device"
+             if args.device_residuals else "")
     rows = {"residuals on the device, batch 1": {**ref, "ratio": 1.0},
-            f"{d} + {s} blocks streamed (fewest under {args.fit:g} GB), "
-            "batch 1": {**row, "ratio": row["step_s"] / ref["step_s"]}}
+            f"{d} + {s} blocks streamed (fewest under {args.fit:g} GB)"
+            f"{where}, batch 1": {**row,
+                                  "ratio": row["step_s"] / ref["step_s"]}}
   else:
     rows = rows_for(cfg, args.target, args.quick, not args.one_buffer)
   n = flux_model.num_params(flux_model.abstract_params(cfg))
@@ -224,6 +246,7 @@ def main(argv=None) -> dict:
                  f"({n / 1e9:.2f}B params), 4096 + 512 tokens, block remat"),
        "rows": rows}
   r["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+  r["compiler_options"] = ok.STREAMING_COMPILER_OPTIONS
   name = f"streaming_fit{args.fit:g}" if args.fit else "streaming"
   report.save(name + (f"_{args.tag}" if args.tag else ""), to_markdown(r), r,
               args.quick)

@@ -10,8 +10,10 @@ from optax_kahan._src.bits import split_float32
 from optax_kahan._src.blockwise import blockwise_init
 from optax_kahan._src.blockwise import blockwise_loss
 from optax_kahan._src.blockwise import blockwise_step
-from optax_kahan._src.blockwise import alternate
 from optax_kahan._src.blockwise import continue_stack
+from optax_kahan._src.blockwise import DoubleBuffer
+from optax_kahan._src.blockwise import front_buffers
+from optax_kahan._src.blockwise import with_front_buffers
 from optax_kahan._src.blockwise import join_stacks
 from optax_kahan._src.blockwise import BlockwiseModel
 from optax_kahan._src.blockwise import BlockwiseParams
@@ -20,6 +22,7 @@ from optax_kahan._src.blockwise import linen_apply
 from optax_kahan._src.blockwise import nnx_blockwise
 from optax_kahan._src.blockwise import num_blocks
 from optax_kahan._src.blockwise import stream_blocks
+from optax_kahan._src.blockwise import STREAMING_COMPILER_OPTIONS
 from optax_kahan._src.coupled import apply_if_finite
 from optax_kahan._src.coupled import clip_by_global_norm
 from optax_kahan._src.factored_second_moment import scale_by_factored_second_moment
@@ -73,7 +76,7 @@ __all__ = (
     "ScaleBySecondMomentState",
     "ScaleByStableAdamWState",
     "StochasticRoundingState",
-    "alternate",
+    "STREAMING_COMPILER_OPTIONS",
     "apply_if_finite",
     "block_axes_of",
     "blockwise_init",
@@ -83,6 +86,9 @@ __all__ = (
     "clip_by_bias_corrected_rms",
     "clip_by_global_norm",
     "continue_stack",
+    "DoubleBuffer",
+    "front_buffers",
+    "with_front_buffers",
     "for_each_leaf",
     "join_stacks",
     "kahan",

@@ -121,6 +121,8 @@ def _public_docstring_examples() -> list:
   tests = []
   for name in ok.__all__:
     obj = getattr(ok, name)
+    if not hasattr(obj, "__module__"):  # a constant: no docstring of its own
+      continue
     module = sys.modules[obj.__module__]
     # The names an example may use unimported: its module's, the public API's
     # and the usual aliases.

@@ -27,14 +27,40 @@ def _joined(model, tree):
           for stack in ok.join_stacks(model, tree)[1].stacks]
 
 
+def _assert_stacks_equal(model, got, want):
+  """The streamed run's stacks and residuals, joined back, equal the plain
+  run's bit for bit."""
+  for streamed, plain in ((got[1], want[1]), (ok.kahan_residuals(got[2]),
+                                              ok.kahan_residuals(want[2]))):
+    for a, b in zip(_joined(model, streamed), plain.stacks, strict=True):
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def _doubles(tree):
+  return [x for x in jax.tree.leaves(tree, is_leaf=_is_double)
+          if _is_double(x)]
+
+
+def _is_double(x):
+  return isinstance(x, ok.DoubleBuffer)
+
+
 def _run(model, tx, params, state, steps, dtype):
+  # the options the README gives (XLA:GPU's; the CPU accepts them)
   step = jax.jit(lambda p, s, b: bw.blockwise_step(model, tx, p, s, b),
-                 donate_argnums=(0, 1))
+                 donate_argnums=(0, 1),
+                 compiler_options=ok.STREAMING_COMPILER_OPTIONS)
+  doubles = bool(_doubles((params, state)))
   losses = []
   for i in range(steps):
     loss, params, state = step(params, state, batch(i, dtype))
     losses.append(float(loss))
-  assert step._cache_size() == 1
+    # the spares swap roles: front in b after odd steps, in a after even
+    assert all(d.front_is_a == (i % 2 == 1) for d in _doubles((params,
+                                                                state)))
+  # one program per role of the buffers (which one is front is static)
+  assert step._cache_size() == (2 if doubles and steps > 1 else 1)
   return losses, params, state
 
 
@@ -51,53 +77,67 @@ def test_streamed_steps_equal_the_plain_steps_bit_for_bit(model):
   # the double stack split (1 on the device, 2 streamed), the other all on
   # the host
   smodel, sparams, sstate = ok.stream_blocks(model, params, state, (2, 2))
-  # the double stack: block 0 on the device (residuals in host memory), its
-  # blocks 1 and 2 streamed as their even and odd blocks; the single
-  # stack's two blocks streamed the same way
-  assert [ok.num_blocks(x) for x in sparams.stacks] == [1, 1, 1, 1, 1]
+  # the double stack: block 0 on the device (its residuals in host memory),
+  # blocks 1 and 2 streamed; the single stack's two blocks streamed
+  assert [ok.num_blocks(x) for x in sparams.stacks] == [1, 2, 2]
   join = model.transitions[0] if model.transitions else None
-  assert smodel.transitions == (bw.continue_stack, bw.alternate, join,
-                                bw.alternate)
-  for part, host in zip(sstate.stacks, (False, True, True, True, True)):
+  assert smodel.transitions == (bw.continue_stack, join)
+  for part, host in zip(sstate.stacks, (False, True, True)):
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(part)}
     assert kinds == ({"pinned_host"} if host else {"device", "pinned_host"})
+    # every leaf in host memory has its spare, the others none
+    assert all(_is_double(x) == (x.a.sharding.memory_kind == "pinned_host"
+                                 if _is_double(x) else
+                                 x.sharding.memory_kind == "pinned_host")
+               for x in jax.tree.leaves(part, is_leaf=_is_double))
   got = _run(smodel, tx, sparams, sstate, 4, dtype)
   assert got[0] == want[0]
-  for part, host in zip(got[1].stacks, (False, True, True, True, True)):
+  for part, host in zip(got[1].stacks, (False, True, True)):
     assert all((x.sharding.memory_kind == "pinned_host") == host
                for x in jax.tree.leaves(part))
-  for trees in ((got[1], want[1]),
-                (ok.kahan_residuals(got[2]), ok.kahan_residuals(want[2]))):
-    for a, b in zip(_joined(smodel, trees[0]), trees[1].stacks,
-                    strict=True):
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(x, np.asarray(y))
+  _assert_stacks_equal(smodel, got, want)
   np.testing.assert_array_equal(
       np.asarray(got[1].head["w"]), np.asarray(want[1].head["w"]))
   assert ok.join_stacks(smodel, got[1])[0].blocks == model.blocks
 
 
-@pytest.mark.parametrize("num_streamed, alternate", [
+@pytest.mark.parametrize("num_streamed, spare", [
     pytest.param((0, 0), True, marks=pytest.mark.slow),  # 10 s each
     pytest.param((3, 0), True, marks=pytest.mark.slow),
     pytest.param((1, 1), True, marks=pytest.mark.slow),
     pytest.param((2, 2), False, marks=pytest.mark.slow)])
-def test_every_layout_of_a_stack_trains_the_same(num_streamed, alternate):
-  """Odd and even part lengths, a part of one block, nothing streamed (the
-  residuals alone in even and odd buffers), one buffer per leaf."""
+def test_every_layout_of_a_stack_trains_the_same(num_streamed, spare):
+  """A whole stack streamed, a part of one block, nothing streamed (the
+  residuals alone with spares), one buffer per leaf."""
   tx = ok.kahan(optax.adamw(1e-3))
   params = init_params(jnp.bfloat16)
   state = ok.blockwise_init(tx, params)
   want = _run(MODEL, tx, jax.tree.map(jnp.copy, params),
               jax.tree.map(jnp.copy, state), 3, jnp.bfloat16)
   smodel, sparams, sstate = ok.stream_blocks(
-      MODEL, params, state, num_streamed, alternate_buffers=alternate)
-  assert (bw.alternate in smodel.transitions) == alternate
+      MODEL, params, state, num_streamed, spare_buffers=spare)
+  assert bool(_doubles((sparams, sstate))) == spare
   got = _run(smodel, tx, sparams, sstate, 3, jnp.bfloat16)
   assert got[0] == want[0]
-  for a, b in zip(_joined(smodel, got[1]), want[1].stacks, strict=True):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-      np.testing.assert_array_equal(x, np.asarray(y))
+  _assert_stacks_equal(smodel, got, want)
+
+
+@pytest.mark.slow  # 10 s
+def test_residuals_kept_on_the_device_for_the_blocks_not_streamed():
+  """``kahan(..., offload=False)``: the device blocks keep their residuals
+  on the device, the streamed blocks' go to host memory with them."""
+  tx = ok.kahan(optax.adamw(1e-3), offload=False)
+  params = init_params(jnp.bfloat16)
+  state = ok.blockwise_init(tx, params)
+  want = _run(MODEL, tx, jax.tree.map(jnp.copy, params),
+              jax.tree.map(jnp.copy, state), 3, jnp.bfloat16)
+  smodel, sparams, sstate = ok.stream_blocks(MODEL, params, state, (2, 0))
+  kinds = lambda t: {x.sharding.memory_kind for x in jax.tree.leaves(t)}
+  assert kinds(ok.kahan_residuals(sstate.stacks[0])) == {"device"}
+  assert kinds(ok.kahan_residuals(sstate.stacks[1])) == {"pinned_host"}
+  got = _run(smodel, tx, sparams, sstate, 3, jnp.bfloat16)
+  assert got[0] == want[0]
+  _assert_stacks_equal(smodel, got, want)
 
 
 @pytest.mark.slow  # 15 s
@@ -114,6 +154,37 @@ def test_streamed_prodigy_keeps_its_lagged_d():
                                 ok.prodigy_d(want[2].head))
 
 
+def test_a_double_buffer_keeps_its_arrays_in_place_and_flips_its_front():
+  a, b, new = jnp.zeros(2), jnp.ones(2), jnp.full(2, 2.0)
+  d = ok.DoubleBuffer(a, b)
+  assert d.front is a and d.back is b
+  e = d.flip(new)  # written into the back buffer, which becomes the front
+  assert e.a is a and e.b is new and e.front is new and e.back is a
+  f = e.flip(b)
+  assert f.a is b and f.b is new and f.front is b
+  leaves, treedef = jax.tree.flatten(e)
+  assert leaves == [a, new]
+  # which buffer is front is static: a jitted step retraces when it flips
+  assert treedef != jax.tree.structure(d)
+  values = ok.front_buffers({"x": e, "y": a})
+  assert values["x"] is new and values["y"] is a
+
+
+def test_with_front_buffers_puts_values_back_keeping_spares_and_roles():
+  host = lambda x: jax.device_put(x, jax.memory.Space.Host)
+  a, b, new = host(jnp.zeros(2)), host(jnp.ones(2)), host(jnp.full(2, 2.0))
+  layout = {"x": ok.DoubleBuffer(a, b, front_is_a=False), "y": jnp.zeros(3)}
+  y = jnp.ones(3)
+  tree = ok.with_front_buffers(layout, {"x": new, "y": y})
+  # the same structure (roles included): a jitted step does not retrace
+  assert jax.tree.structure(tree) == jax.tree.structure(layout)
+  assert tree["x"].a is a and tree["x"].front is new and tree["y"] is y
+  # a host leaf restored into device memory would silently stop streaming
+  with pytest.raises(ValueError, match=r"\['x'\] is in host memory in the "
+                     "layout but not in values"):
+    ok.with_front_buffers(layout, {"x": jnp.zeros(2), "y": y})
+
+
 def test_stream_blocks_names_a_count_that_does_not_fit():
   tx = optax.adamw(1e-3)
   params = init_params(jnp.float32)
@@ -123,6 +194,14 @@ def test_stream_blocks_names_a_count_that_does_not_fit():
     ok.stream_blocks(MODEL, params, state, (0, 3))
   with pytest.raises(ValueError, match="num_streamed has 1 entries"):
     ok.stream_blocks(MODEL, params, state, (1,))
+  model, params, state = ok.stream_blocks(MODEL, params, state, (1, 0))
+  # streaming twice would nest the spares; initializing on spares would
+  # give the state of both buffers
+  with pytest.raises(ValueError, match=r"\.stacks\[1\]\['mod'\] is a "
+                     "DoubleBuffer .*join_stacks"):
+    ok.stream_blocks(model, params, state, (1, 0, 0))
+  with pytest.raises(ValueError, match="blockwise_init: .* DoubleBuffer"):
+    ok.blockwise_init(tx, params)
 
 
 def test_stream_blocks_places_abstract_leaves_for_compiling_ahead():
@@ -132,13 +211,15 @@ def test_stream_blocks_places_abstract_leaves_for_compiling_ahead():
   sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   _, p, s = ok.stream_blocks(MODEL, jax.tree.map(sds, params),
                              jax.tree.map(sds, state), (1, 0))
-  # the double stack: blocks 0, 1 on the device (as even and odd: their
-  # residuals are in host memory), block 2 streamed; the single stack as
-  # its even and odd blocks
-  assert [jax.tree.leaves(x)[0].shape[0] for x in p.stacks] == [1, 1, 1, 1,
-                                                                1]
-  assert {x.sharding.memory_kind for x in jax.tree.leaves(p.stacks[2])} == {
+  # the double stack: blocks 0, 1 on the device, block 2 streamed; the
+  # single stack whole on the device
+  assert [jax.tree.leaves(x)[0].shape[0] for x in p.stacks] == [2, 1, 2]
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(p.stacks[1])} == {
       "pinned_host"}
+  assert all(isinstance(x, ok.DoubleBuffer) for x in jax.tree.leaves(
+      p.stacks[1], is_leaf=_is_double))
+  # the residuals of the device part have their spares
+  assert _doubles(ok.kahan_residuals(s.stacks[0]))
 
 
 # -- FSDP over 8 CPU devices ---------------------------------------------------
@@ -191,7 +272,8 @@ def test_the_streamed_step_under_fsdp_on_8_devices_matches_one_device(
   for name in ("adamw", "prodigy"):
     for streamed, memory in ((4, "pinned_host"), (0, "device")):
       r = reports[8][f"{name}/{streamed}"]
-      assert r["cache_size"] == 1 and r["memory"] == [memory]
+      # one program per role of the spare buffers
+      assert r["cache_size"] == 2 and r["memory"] == [memory]
       assert r["shards"] == 8 and "fsdp" in r["spec"]
     load = lambda n, k: np.load(tmp_path / f"{name}_{n}_{k}.npz")
     with load(8, 4) as a, load(8, 0) as b, load(1, 4) as c:

@@ -38,10 +38,11 @@ leaf; a block's slice comes to the device for its update and goes back after.
 
 Streaming: whatever lives in host memory (the residuals; with
 ``stream_blocks``, whole blocks' weights and state) is software-pipelined,
-fetched a block or two ahead and written back a block behind, so the copies
-run beside the compute. ``stream_blocks`` lays a stack's host data out as
-its even and odd blocks, so that a write-back and the next fetch use
-different buffers and both PCIe directions run at once.
+fetched a block ahead and written back a block behind, so the copies run
+beside the compute. ``stream_blocks`` gives each host leaf a spare buffer
+(``DoubleBuffer``): a block is read from one and written into the other, so
+a write-back and the next fetch are independent and both PCIe directions
+run at once.
 
 Which transformations: ``tx`` is applied to each group of weights (the
 embedding, each block, the head) with its own state, so it must act leaf by
@@ -66,6 +67,7 @@ from flax import linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -84,20 +86,6 @@ def continue_stack(carry: Carry, consts: Consts) -> Carry:
   one stack's, so splitting a stack changes no bit of the gradients."""
   del consts
   return carry
-
-
-def alternate(carry: Carry, consts: Consts) -> Carry:
-  """Marks stacks ``s`` and ``s + 1`` (``transitions[s] = alternate``) as the
-  even and the odd blocks of one stack, run in alternation: 0, 1, 2, ...
-
-  ``stream_blocks`` lays out so each part of a stack whose blocks hold data in
-  host memory: two host buffers per leaf let a block's write-back (into one)
-  and the next block's fetch (from the other) run at the same time. It is a
-  marker for ``blockwise_step`` and ``blockwise_loss``, not a function to
-  run."""
-  raise TypeError("alternate marks two stacks as one stack's even and odd "
-                  "blocks; blockwise_step and blockwise_loss run them, it is "
-                  "not called")
 
 
 class BlockwiseModel(NamedTuple):
@@ -269,45 +257,202 @@ def num_blocks(stack: Any) -> int:
   return jnp.shape(jax.tree.leaves(stack)[0])[0]
 
 
-def _part(x: Any, start: int, stop: int, host: bool, stride: int = 1
-          ) -> Any:
-  """Blocks ``start:stop:stride`` of a stacked leaf (an array or an abstract
+#: Compiler options for a streamed step: ``jax.jit(step,
+#: compiler_options=STREAMING_COMPILER_OPTIONS)``. By default XLA:GPU's
+#: latency-hiding scheduler keeps about one asynchronous host transfer in
+#: flight beside the compute and runs the others back to back. A streamed
+#: block moves one transfer per host leaf in each direction (FLUX.1-dev's
+#: double block, weights, state and residuals streamed: about 80 each way),
+#: and its transfers should all be in flight at once: at a limit of 64 the
+#: fetches of a streamed block wait for write-backs to free a slot. With
+#: this (experimental) option the FLUX.1-dev step hides most of its PCIe
+#: time (``benchmarks/streaming.py`` compiles it both ways). XLA:CPU
+#: accepts and ignores it.
+STREAMING_COMPILER_OPTIONS: dict[str, Any] = {
+    "xla_gpu_experimental_parallel_async_compute_limit": 256}
+
+
+@jax.tree_util.register_pytree_node_class
+class DoubleBuffer:
+  """Two host buffers for one stacked leaf: the values, and a spare.
+
+  ``blockwise_step`` reads a block's values from ``front`` and writes its new
+  values into ``back``; the new pair has them the other way round. A fetch
+  and a write-back then never touch the same array, so XLA runs both PCIe
+  directions beside the compute, each block's copies starting as its
+  iteration starts; with one buffer, a leaf's fetch must wait for its
+  write-back. The cost is a second copy in host memory of what is streamed.
+
+  The arrays keep their places in the tree (``a`` is always the first
+  child), so a donated step writes into the spare in place and passes the
+  read buffer through; which one holds the values is static (``front_is_a``),
+  so a jitted step compiles once for each of the two.
+
+  Attributes:
+    a, b: the two buffers, of one shape, dtype and sharding.
+    front_is_a: whether ``a`` holds the values.
+  """
+
+  def __init__(self, a: Any, b: Any, front_is_a: bool = True):
+    self.a, self.b, self.front_is_a = a, b, front_is_a
+
+  @property
+  def front(self) -> Any:
+    """The buffer that holds the values."""
+    return self.a if self.front_is_a else self.b
+
+  @property
+  def back(self) -> Any:
+    """The spare, into which a step writes the new values."""
+    return self.b if self.front_is_a else self.a
+
+  def flip(self, new: Any) -> "DoubleBuffer":
+    """The pair after a step that wrote ``new`` into the back buffer."""
+    if self.front_is_a:
+      return DoubleBuffer(self.a, new, False)
+    return DoubleBuffer(new, self.b, True)
+
+  def tree_flatten(self) -> tuple[tuple[Any, Any], bool]:
+    return (self.a, self.b), self.front_is_a
+
+  @classmethod
+  def tree_unflatten(cls, front_is_a: bool, children: Any) -> "DoubleBuffer":
+    return cls(*children, front_is_a)
+
+  def __repr__(self) -> str:
+    return (f"DoubleBuffer(a={self.a!r}, b={self.b!r}, "
+            f"front_is_a={self.front_is_a})")
+
+
+def _is_double(x: Any) -> bool:
+  return isinstance(x, DoubleBuffer)
+
+
+def front_buffers(tree: Any) -> Any:
+  """``tree`` with each ``DoubleBuffer`` replaced by the buffer that holds
+  its values (``stream_blocks(..., spare_buffers=True)``' layout read as
+  plain arrays): for checkpoints, metrics, ``join_stacks``."""
+  return jax.tree.map(lambda x: x.front if _is_double(x) else x, tree,
+                      is_leaf=_is_double)
+
+
+def with_front_buffers(layout: Any, values: Any) -> Any:
+  """``layout`` holding ``values``: the inverse of ``front_buffers``.
+
+  ``values`` is laid out as ``front_buffers(layout)`` (a checkpoint of it,
+  say); each ``DoubleBuffer`` of ``layout`` gets its value as its front and
+  keeps its spare, and every other leaf is replaced by its value. Save
+  ``front_buffers((params, state))`` rather than the pairs: a pair's role is
+  part of the tree's structure, not its arrays, so a checkpoint of the pairs
+  restored into a layout with the other role would read the stale buffer.
+
+  Example:
+    >>> layout = {"w": DoubleBuffer(jnp.zeros(2), jnp.ones(2)), "b": 0.0}
+    >>> tree = with_front_buffers(layout, {"w": jnp.full(2, 5.0), "b": 1.0})
+    >>> front_buffers(tree)["w"].tolist(), tree["w"].back.tolist(), tree["b"]
+    ([5.0, 5.0], [1.0, 1.0], 1.0)
+
+  Args:
+    layout: a tree with ``DoubleBuffer`` nodes (``stream_blocks``' layout).
+    values: the values, as ``front_buffers(layout)`` is laid out.
+
+  Returns:
+    ``layout``'s pairs and roles, ``values``' arrays.
+
+  Raises:
+    ValueError: for a value in device memory where ``layout``'s is in host
+      memory (orbax restores host arrays whose type says device memory:
+      ``jax.device_put(x, jax.memory.Space.Host)`` places them), naming the
+      leaf.
+  """
+  def put(path, x, value):
+    front = x.front if _is_double(x) else x
+    if per_leaf.on_host(front) and not per_leaf.on_host(value):
+      raise ValueError(
+          f"with_front_buffers: {jax.tree_util.keystr(path)} is in host "
+          f"memory in the layout but not in values; place it with "
+          f"jax.device_put(value, jax.memory.Space.Host)")
+    if not _is_double(x):
+      return value
+    if x.front_is_a:
+      return DoubleBuffer(value, x.b, True)
+    return DoubleBuffer(x.a, value, False)
+
+  return jax.tree_util.tree_map_with_path(put, layout, values,
+                                          is_leaf=_is_double)
+
+
+def _back(tree: Any) -> Any:
+  return jax.tree.map(lambda x: x.back if _is_double(x) else x, tree,
+                      is_leaf=_is_double)
+
+
+def _flip(tree: Any, new: Any) -> Any:
+  """``new`` (laid out as ``front_buffers(tree)``) placed as ``tree`` is: each
+  ``DoubleBuffer``'s new values in its back buffer, which becomes front."""
+  return jax.tree.map(lambda x, y: x.flip(y) if _is_double(x) else y, tree,
+                      new, is_leaf=_is_double)
+
+
+def _check_not_doubled(tree: Any, what: str, instead: str) -> None:
+  for path, x in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=_is_double)[0]:
+    if _is_double(x):
+      raise ValueError(
+          f"{what}: {jax.tree_util.keystr(path)} is a DoubleBuffer "
+          f"(stream_blocks' layout already); {instead}")
+
+
+def _in_host_memory(x: Any) -> bool:
+  """An array or abstract ``jax.ShapeDtypeStruct`` in host memory."""
+  return per_leaf.on_host(x) or getattr(
+      getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"
+
+
+def _spare(x: Any) -> Any:
+  """A second host buffer like ``x`` (its contents never read)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x
+  # made in host memory, not on the device and copied out
+  return jax.device_put(np.zeros(x.shape, x.dtype), x.sharding)
+
+
+def _part(x: Any, start: int, stop: int, host: bool) -> Any:
+  """Blocks ``start:stop`` of a stacked leaf (an array or an abstract
   ``jax.ShapeDtypeStruct``), in host memory if ``host``."""
   if isinstance(x, jax.ShapeDtypeStruct):
     sharding = x.sharding
     if host and sharding is not None:
       sharding = sharding.with_memory_kind("pinned_host")
-    return jax.ShapeDtypeStruct(
-        (len(range(start, stop, stride)), *x.shape[1:]), x.dtype,
-        sharding=sharding)
-  # static: no gather on the host
-  part = lax.slice_in_dim(x, start, stop, stride)
+    return jax.ShapeDtypeStruct((stop - start, *x.shape[1:]), x.dtype,
+                                sharding=sharding)
+  part = lax.slice_in_dim(x, start, stop)
   return per_leaf.to_host(part) if host else part
 
 
 def stream_blocks(
     model: BlockwiseModel, params: BlockwiseParams, state: BlockwiseState,
-    num_streamed: Sequence[int], *, alternate_buffers: bool = True,
+    num_streamed: Sequence[int], *, spare_buffers: bool = True,
 ) -> tuple[BlockwiseModel, BlockwiseParams, BlockwiseState]:
   """Moves the last blocks of each stack, weights and state, to host memory.
 
   ``blockwise_step`` streams whatever lives in host memory (``pinned_host``):
   the forward pass fetches block ``j + 1``'s weights while block ``j``
   computes; the backward pass, while block ``j`` computes, writes block
-  ``j + 1``'s new weights, state and residuals back and fetches the next
-  block's. The device then holds a few blocks of those stacks instead of
+  ``j + 1``'s new weights, state and residuals back and fetches block
+  ``j - 1``'s. The device then holds two blocks of those stacks instead of
   all of them (sd-scripts' ``--blocks_to_swap``, applied to the optimizer
   state and ``kahan``'s residuals too).
 
   Layout: stack ``s`` with ``0 < num_streamed[s] < num_blocks`` becomes two
   parts, its first blocks on the device and its last ``num_streamed[s]`` in
   host memory, joined by the transition ``continue_stack``. With
-  ``alternate_buffers``, a part whose blocks hold host data (streamed, or
-  ``kahan``'s residuals) is laid out as two stacks, its even and its odd
-  blocks, joined by ``alternate``: a block's write-back goes into one and
-  the next fetch comes from the other, so the two PCIe directions run at
-  once. ``num_streamed = (0, ...)`` moves nothing and lays the residuals out
-  so. ``join_stacks`` undoes the layout.
+  ``spare_buffers``, every leaf of the stacks in host memory (streamed, or
+  ``kahan``'s residuals) becomes a ``DoubleBuffer``: the step reads one
+  buffer and writes the other, so both PCIe directions run beside the
+  compute, at the cost of a second copy in host memory. ``num_streamed = (0, ...)`` moves
+  nothing and gives the residuals their spare. ``join_stacks`` undoes the
+  layout.
 
   The arithmetic is unchanged: the step computes what it computes without
   streaming, bit for bit (Prodigy's late sums aside: they add the parts'
@@ -326,8 +471,8 @@ def stream_blocks(
     >>> tx = optax.adamw(1e-3)
     >>> state = blockwise_init(tx, params)
     >>> model, params, state = stream_blocks(model, params, state, (3,))
-    >>> [num_blocks(stack) for stack in params.stacks]  # device, even, odd
-    [2, 2, 1]
+    >>> [num_blocks(stack) for stack in params.stacks]  # device, host
+    [2, 3]
     >>> loss, params, state = blockwise_step(model, tx, params, state,
     ...                                      jnp.arange(4.0))
 
@@ -337,11 +482,10 @@ def stream_blocks(
     state: its ``BlockwiseState`` (from ``blockwise_init``).
     num_streamed: per stack, how many of its last blocks live in host
       memory (0 to its number of blocks).
-    alternate_buffers: lay each part with host data out as its even and odd
-      blocks (two buffers per leaf: the write-back and the next fetch run at
-      once; four blocks' host data on the device). False keeps one buffer
-      per leaf: two blocks' host data on the device, a lower peak, and each
-      leaf's two directions one after the other.
+    spare_buffers: give every leaf of the stacks in host memory a second
+      buffer (``DoubleBuffer``): twice the host memory of what is streamed, the
+      copies hidden behind the compute. False keeps one buffer per leaf:
+      each leaf's fetch waits for its write-back.
 
   Returns:
     ``(model, params, state)`` with the stacks split and placed.
@@ -350,6 +494,8 @@ def stream_blocks(
     ValueError: for a count per stack that does not fit.
   """
   _check_params(model, params)
+  _check_not_doubled((params, state), "stream_blocks",
+                     "join the stacks first (join_stacks)")
   if len(num_streamed) != len(params.stacks) or len(state.stacks) != len(
       params.stacks):
     raise ValueError(
@@ -362,52 +508,33 @@ def stream_blocks(
     if not 0 <= k <= n:
       raise ValueError(f"stream_blocks: num_streamed[{s}] = {k}, but stack "
                        f"{s} has {n} blocks")
-    first_part = True
-    for a, b in ((0, n - k), (n - k, n)):
-      if a == b:
-        continue
-      host = a == n - k
-      cut = lambda tree, a, stride: jax.tree.map(
-          lambda x: _part(x, a, b, host, stride), tree)
-      # A part whose blocks hold host data goes as its even and odd blocks
-      # (two buffers per leaf), when it has two blocks or more.
-      on_host = host or any(
-          per_leaf.on_host(x) or getattr(getattr(x, "sharding", None),
-                                         "memory_kind", None) == "pinned_host"
-          for x in jax.tree.leaves(stack_state))
-      layout = (((a, 2), (a + 1, 2))
-                if alternate_buffers and on_host and b - a >= 2
-                else ((a, 1),))
-      for j, (start, stride) in enumerate(layout):
-        if blocks:  # what runs between this stack and the one before it
-          transitions.append(alternate if j else continue_stack
-                             if not first_part else model.transition(s - 1))
-        first_part = False
-        blocks.append(model.blocks[s])
-        stacks.append(cut(stack, start, stride))
-        states.append(cut(stack_state, start, stride))
+    parts = [(a, b) for a, b in ((0, n - k), (n - k, n)) if a < b]
+    for j, (a, b) in enumerate(parts):
+      if blocks:  # what runs between this part and the one before it
+        transitions.append(continue_stack if j else model.transition(s - 1))
+      def place(x, a=a, b=b, host=a == n - k):
+        y = _part(x, a, b, host)
+        if spare_buffers and _in_host_memory(y):
+          return DoubleBuffer(y, _spare(y))
+        return y
+
+      blocks.append(model.blocks[s])
+      stacks.append(jax.tree.map(place, stack))
+      states.append(jax.tree.map(place, stack_state))
   return (BlockwiseModel(model.embed, tuple(blocks), model.head,
                          tuple(transitions)),
           BlockwiseParams(params.embed, tuple(stacks), params.head),
           BlockwiseState(state.embed, tuple(states), state.head))
 
 
-def _interleave(even: jax.Array, odd: jax.Array) -> jax.Array:
-  """Blocks 0, 1, 2, ... from the even and the odd ones."""
-  ne, no = even.shape[0], odd.shape[0]
-  pairs = jnp.stack([even[:no], odd], axis=1).reshape(2 * no, *odd.shape[1:])
-  return jnp.concatenate([pairs, even[no:]]) if ne > no else pairs
-
-
 def join_stacks(model: BlockwiseModel, params: BlockwiseParams
                 ) -> tuple[BlockwiseModel, BlockwiseParams]:
   """Undoes ``stream_blocks``: each stack whole again, in device memory.
 
-  The parts joined by ``continue_stack`` are concatenated and the even and
-  odd blocks joined by ``alternate`` interleaved, so the weights can be
-  written back into the model (``nnx.update``) or exported. Works on any
-  tree laid out like the params: pass ``kahan_residuals(state)`` for the
-  residuals.
+  The parts joined by ``continue_stack`` are concatenated (the values of a
+  ``DoubleBuffer``), so the weights can be written back into the model
+  (``nnx.update``) or exported. Works on any tree laid out like the params:
+  pass ``kahan_residuals(state)`` for the residuals.
 
   Args:
     model: the model ``stream_blocks`` returned.
@@ -416,30 +543,20 @@ def join_stacks(model: BlockwiseModel, params: BlockwiseParams
   Returns:
     ``(model, params)`` with one stack per original stack.
   """
-  groups, current = [], []
-  for s in range(len(params.stacks)):
-    current.append(s)
-    if model.transition(s) not in (continue_stack, alternate):
-      groups.append(current)
-      current = []
-  blocks, transitions, stacks = [], [], []
-  for g in groups:
-    parts, s = [], 0
-    while s < len(g):
-      tree = jax.tree.map(_on_device, params.stacks[g[s]])
-      if model.transition(g[s]) is alternate:
-        odd = jax.tree.map(_on_device, params.stacks[g[s + 1]])
-        tree = jax.tree.map(_interleave, tree, odd)
-        s += 1
-      parts.append(tree)
-      s += 1
-    stacks.append(jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-                  if len(parts) > 1 else parts[0])
-    blocks.append(model.blocks[g[0]])
-    transitions.append(model.transition(g[-1]))
-  transitions = tuple(transitions[:-1]) if model.transitions else ()
-  return (BlockwiseModel(model.embed, tuple(blocks), model.head,
-                         transitions),
+  params = front_buffers(params)
+  groups = [[0]]
+  for s in range(1, len(params.stacks)):
+    if model.transition(s - 1) is continue_stack:
+      groups[-1].append(s)
+    else:
+      groups.append([s])
+  stacks = [jax.tree.map(lambda *xs: jnp.concatenate(
+      [_on_device(x) for x in xs]), *[params.stacks[s] for s in g])
+            for g in groups]
+  transitions = (tuple(model.transition(g[-1]) for g in groups[:-1])
+                 if model.transitions else ())
+  return (BlockwiseModel(model.embed, tuple(model.blocks[g[0]] for g in groups),
+                         model.head, transitions),
           BlockwiseParams(params.embed, tuple(stacks), params.head))
 
 
@@ -468,6 +585,9 @@ def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
       earlier jitted call took (donated), naming the leaf.
   """
   _check_stacks(params)
+  _check_not_doubled((params, args), "blockwise_init",
+                     "initialize before stream_blocks, or pass "
+                     "front_buffers(params)")
   for i, tree in enumerate(args):
     if not isinstance(tree, BlockwiseParams):
       raise TypeError(f"blockwise_init's argument {i + 2} must be a "
@@ -489,14 +609,11 @@ def blockwise_loss(model: BlockwiseModel, params: BlockwiseParams,
   gradient.
   """
   _check_params(model, params)
+  params = front_buffers(params)
   carry, consts = model.embed(params.embed, batch)
-  for run in _runs(model, len(params.stacks)):
-    block, s = jax.checkpoint(model.blocks[run[0]]), run[-1]
-    if len(run) == 1:
-      carry, _ = _forward_stack(block, params.stacks[s], carry, consts)
-    else:
-      carry, _ = _forward_alternating(
-          block, [params.stacks[i] for i in run], carry, consts)
+  for s, stack in enumerate(params.stacks):
+    carry, _ = _forward_stack(jax.checkpoint(model.blocks[s]), stack, carry,
+                              consts)
     if model.transition(s) not in (None, continue_stack):
       carry = model.transition(s)(carry, consts)
   return model.head(params.head, carry, consts, batch)
@@ -624,41 +741,43 @@ def _sum_late(state: BlockwiseState) -> BlockwiseState:
       head=with_totals(state.head))
 
 
-def _backward_stack(tx, block, stack, stack_state, inputs, consts, ct,
-                    ct_consts):
+def _backward_stack(tx, block, stacks, spares, inputs, consts, ct, ct_consts):
   """The reverse loop over one stack: each block's vjp, then its update.
 
-  Returns the carry's cotangent, the sum of the blocks' cotangents of
-  ``consts`` (from ``ct_consts``, zero for a whole stack, in this order, as
-  JAX's transpose of ``lax.scan``: ``blockwise_loss``'s gradient bit for
-  bit), and the new stack and state.
+  ``stacks`` is the stack and its state; ``spares`` the same, where a
+  ``DoubleBuffer``'s back buffer stands for its front (``_back``). Returns
+  the carry's cotangent, the sum of the blocks' cotangents of ``consts``
+  (from ``ct_consts``, zero for a whole stack, in this order, as JAX's
+  transpose of ``lax.scan``: ``blockwise_loss``'s gradient bit for bit), and
+  the new stack and state (their host leaves in the spares, if any).
 
-  Leaves of the stack and its state that live in host memory (``kahan``'s
-  residuals; streamed weights and state) are software-pipelined: while block
-  ``i`` computes, block ``i + 1``'s new ones are written back and block
-  ``i - 1``'s are copied in, beside the compute. Each leaf's copy in reads
-  the stack its write-back produced (different blocks, in that order), so
-  XLA keeps one buffer per host leaf and copies none; but the two
-  directions of one leaf run one after the other (``stream_blocks``' even
-  and odd layout, ``_backward_alternating``, lets them run at once). The
-  first iteration writes back block ``n - 1``'s old values (fetched before
-  the loop) and the last fetches block 0 again: one block of each direction
-  more than needed per stack.
+  Leaves in host memory (``kahan``'s residuals; streamed weights and state)
+  are software-pipelined: while block ``i`` computes, block ``i + 1``'s new
+  ones are written back and block ``i - 1``'s are copied in. A leaf with a
+  spare is read from its front and written into its spare: the two copies
+  are independent and start together with the iteration. A leaf without
+  one is read from the array its write-back produced (different blocks, in
+  that order), so XLA copies no buffer, but the fetch waits for the
+  write-back. The first iteration writes back block ``n - 1``'s old values
+  (fetched before the loop) and the last fetches block 0 again: one block
+  of each direction more than needed per stack.
   """
-  leaves, treedef = jax.tree.flatten((stack, stack_state))
-  last = num_blocks(stack) - 1
+  reads, treedef = jax.tree.flatten(stacks)
+  leaves = jax.tree.leaves(spares)
+  spare = [x is not y for x, y in zip(reads, leaves)]
+  last = num_blocks(stacks[0]) - 1
 
   def body(j, loop):
     ct, ct_consts, leaves, staged, pending = loop
     i = last - j
-    # Block i + 1's new host leaves go back, then block i - 1's come in.
     leaves = _write_back(leaves, pending, jnp.minimum(i + 1, last))
-    ahead = _fetch(leaves, jnp.maximum(i - 1, 0))
+    ahead = _fetch([x if s else y for x, y, s in zip(reads, leaves, spare)],
+                   jnp.maximum(i - 1, 0))
     ct, ct_block, leaves, pending = _step_block(
         tx, block, leaves, treedef, staged, i, inputs, consts, ct)
     return ct, _add_cotangents(ct_consts, ct_block), leaves, ahead, pending
 
-  staged = _fetch(leaves, last)
+  staged = _fetch(reads, last)
   ct, ct_consts, leaves, _, pending = lax.fori_loop(
       0, last + 1, body, (ct, ct_consts, leaves, staged, staged))
   stack, stack_state = treedef.unflatten(_write_back(leaves, pending, 0))
@@ -684,99 +803,6 @@ def _step_block(tx, block, leaves, treedef, staged, k, inputs, consts, ct):
             else lax.dynamic_update_index_in_dim(x, y, k, 0)
             for x, y in zip(leaves, new)]
   return ct, ct_block, leaves, pending
-
-
-def _runs(model: BlockwiseModel, n: int) -> list[tuple[int, ...]]:
-  """The stacks in running order: ``(s,)``, or ``(s, s + 1)`` for the even
-  and odd blocks of one stack (joined by ``alternate``)."""
-  runs, s = [], 0
-  while s < n:
-    if model.transition(s) is alternate:
-      runs.append((s, s + 1))
-      s += 2
-    else:
-      runs.append((s,))
-      s += 1
-  return runs
-
-
-def _forward_alternating(block, stacks, carry, consts):
-  """``_forward_stack`` over a stack laid out as its even and odd blocks:
-  block ``j + 1``'s host leaves are fetched (from the other buffer) while
-  block ``j`` computes. Returns the carry and the saved inputs, per parity."""
-  (even, tree_e), (odd, tree_o) = (jax.tree.flatten(t) for t in stacks)
-  ne, no = num_blocks(stacks[0]), num_blocks(stacks[1])
-
-  def run(leaves, treedef, staged, k, c):
-    return block(treedef.unflatten(_block_of(leaves, staged, k)), c, consts)
-
-  def body(loop, k):
-    c, staged = loop
-    ahead = _fetch(odd, k)
-    out = run(even, tree_e, staged, k, c)
-    ahead_even = _fetch(even, jnp.minimum(k + 1, ne - 1))
-    return (run(odd, tree_o, ahead, k, out), ahead_even), (c, out)
-
-  (carry, staged), (saved_e, saved_o) = lax.scan(
-      body, (carry, _fetch(even, 0)), jnp.arange(no))
-  if ne > no:  # the last block is even
-    saved_e = jax.tree.map(lambda x, c: jnp.concatenate([x, c[None]]),
-                           saved_e, carry)
-    carry = run(even, tree_e, staged, ne - 1, carry)
-  return carry, (saved_e, saved_o)
-
-
-def _backward_alternating(tx, block, stacks, states, inputs, consts, ct,
-                          ct_consts):
-  """``_backward_stack`` over a stack laid out as its even and odd blocks.
-
-  While block ``j`` computes, block ``j + 1``'s new host leaves are written
-  back into one parity's buffers and block ``j - 2``'s are fetched from the
-  other's, so the two PCIe directions never wait on each other (each
-  buffer's fetch is tied to it by an optimization barrier, so its next
-  write-back follows it and XLA copies no buffer). Blocks ``j - 1`` and
-  ``j - 2`` are on the device ahead of use, ``j + 1`` behind: four blocks'
-  host data in flight. Returns what ``_backward_stack`` returns, per parity.
-  """
-  flat = [jax.tree.flatten(t) for t in zip(stacks, states)]
-  treedef = flat[0][1]
-  ne, no = num_blocks(stacks[0]), num_blocks(stacks[1])
-  m = ne + no
-
-  def sub(j, par, loop):
-    ct, ct_consts, bufs, cur, nxt, pending, pidx = loop
-    bufs = list(bufs)
-    bufs[1 - par] = _write_back(bufs[1 - par], pending, pidx // 2)
-    fetched = _fetch(bufs[par], jnp.maximum(j - 2, par) // 2)
-    host = [k for k, x in enumerate(bufs[par]) if per_leaf.on_host(x)]
-    tied = lax.optimization_barrier(
-        ([bufs[par][k] for k in host], [fetched[k] for k in host]))
-    bufs[par] = list(bufs[par])
-    for k, x, y in zip(host, *tied):
-      bufs[par][k], fetched[k] = x, y
-    ct, ct_block, bufs[par], pending = _step_block(
-        tx, block, bufs[par], treedef, cur, j // 2, inputs[par], consts, ct)
-    return (ct, _add_cotangents(ct_consts, ct_block), bufs, nxt, fetched,
-            pending, jnp.asarray(j, jnp.int32))
-
-  bufs = [flat[0][0], flat[1][0]]
-  top = m - 1  # its parity, then m - 2's
-  cur = _fetch(bufs[top % 2], top // 2)
-  nxt = _fetch(bufs[1 - top % 2], (top - 1) // 2)
-  # the first write-back puts block m - 2's own values back (nothing new yet)
-  loop = (ct, ct_consts, bufs, cur, nxt, nxt, jnp.int32(top - 1))
-  if m % 2:  # the top block is even: one step before the pairs
-    loop = sub(top, 0, loop)
-
-  def body(q, loop):
-    j = 2 * (no - 1 - q) + 1
-    return sub(j - 1, 0, sub(j, 1, loop))
-
-  ct, ct_consts, bufs, _, _, pending, _ = lax.fori_loop(0, no, body, loop)
-  bufs[0] = _write_back(bufs[0], pending, 0)  # block 0's
-  (stack_e, state_e), (stack_o, state_o) = (treedef.unflatten(b)
-                                            for b in bufs)
-  return ct, ct_consts, (stack_e, stack_o), (state_e, state_o)
 
 
 def blockwise_step(
@@ -805,6 +831,13 @@ def blockwise_step(
   the stacks are updated in place. The memory figures are the compiled
   programs' (``benchmarks/blockwise.py``): on the GPU and the CPU, fewer
   temporaries than the ordinary step.
+
+  Leaves in host memory (``kahan``'s residuals, ``stream_blocks``' streamed
+  blocks) are fetched a block ahead and written back a block behind. A
+  ``DoubleBuffer`` is read from its front; the new values go into its back,
+  and the returned pair has the roles swapped (the jitted step compiles
+  once per role). A streamed step wants
+  ``compiler_options=STREAMING_COMPILER_OPTIONS`` on its ``jax.jit``.
 
   Args:
     model: the model's functions.
@@ -846,17 +879,15 @@ def blockwise_step(
     raise ValueError(f"state has {len(state.stacks)} stacks, params "
                      f"{len(params.stacks)}")
 
+  # A DoubleBuffer is read from its front and written into its back.
+  layout = (params, state)
+  params, state = front_buffers(layout)
+  spares = _back(layout)
   (carry, consts), embed_vjp = jax.vjp(lambda p: model.embed(p, batch),
                                        params.embed)
-  runs = _runs(model, len(params.stacks))
   inputs, transitions = [], []
-  for run in runs:
-    block, s = model.blocks[run[0]], run[-1]
-    if len(run) == 1:
-      carry, saved = _forward_stack(block, params.stacks[s], carry, consts)
-    else:
-      carry, saved = _forward_alternating(
-          block, [params.stacks[i] for i in run], carry, consts)
+  for s, stack in enumerate(params.stacks):
+    carry, saved = _forward_stack(model.blocks[s], stack, carry, consts)
     inputs.append(saved)
     transition_vjp = None
     if model.transition(s) not in (None, continue_stack):
@@ -875,24 +906,15 @@ def blockwise_step(
       if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)
       else jnp.zeros_like(x), consts)
   ct_stack = zeros
-  for r in reversed(range(len(runs))):
-    run = runs[r]
-    if transitions[r] is not None:
-      ct, ct_transition = transitions[r](ct)
+  for s in reversed(range(len(stacks))):
+    if transitions[s] is not None:
+      ct, ct_transition = transitions[s](ct)
       ct_consts = _add_cotangents(ct_consts, ct_transition)
-    if len(run) == 1:
-      s = run[0]
-      ct, ct_stack, stacks[s], stack_states[s] = _backward_stack(
-          tx, model.blocks[s], stacks[s], stack_states[s], inputs[r], consts,
-          ct, ct_stack)
-    else:
-      ct, ct_stack, new_stacks, new_states = _backward_alternating(
-          tx, model.blocks[run[0]], [stacks[i] for i in run],
-          [stack_states[i] for i in run], inputs[r], consts, ct, ct_stack)
-      for i, new, new_state in zip(run, new_stacks, new_states):
-        stacks[i], stack_states[i] = new, new_state
-    first = run[0]
-    if first == 0 or model.transition(first - 1) is not continue_stack:
+    ct, ct_stack, stacks[s], stack_states[s] = _backward_stack(
+        tx, model.blocks[s], (stacks[s], stack_states[s]),
+        (spares[0].stacks[s], spares[1].stacks[s]), inputs[s], consts, ct,
+        ct_stack)
+    if s == 0 or model.transition(s - 1) is not continue_stack:
       ct_consts = _add_cotangents(ct_consts, ct_stack)
       ct_stack = zeros
     # else the part before continues this stack's sum, as one stack's would
@@ -901,4 +923,6 @@ def blockwise_step(
 
   new_state = _sum_late(
       BlockwiseState(embed_state, tuple(stack_states), head_state))
-  return loss, BlockwiseParams(embed, tuple(stacks), head), new_state
+  new_params, new_state = _flip(
+      layout, (BlockwiseParams(embed, tuple(stacks), head), new_state))
+  return loss, new_params, new_state
