@@ -222,6 +222,23 @@ def test_stream_blocks_places_abstract_leaves_for_compiling_ahead():
   assert _doubles(ok.kahan_residuals(s.stacks[0]))
 
 
+def test_stream_blocks_puts_weights_loaded_into_host_memory_on_the_device():
+  # a model too large for the device is loaded into host memory first: the
+  # blocks not streamed go to the device, as num_streamed says
+  tx = ok.kahan(optax.adamw(1e-3))
+  params = init_params(jnp.bfloat16)
+  state = ok.blockwise_init(tx, params)
+  loaded = params._replace(stacks=jax.device_put(params.stacks,
+                                                 jax.memory.Space.Host))
+  _, p, s = ok.stream_blocks(MODEL, loaded, state, (1, 2))
+  kinds = lambda t: {x.sharding.memory_kind for x in jax.tree.leaves(t)}
+  assert [kinds(x) for x in p.stacks] == [{"device"}, {"pinned_host"},
+                                          {"pinned_host"}]
+  # the state stays where blockwise_init put it: residuals in host memory
+  assert kinds(ok.kahan_residuals(s.stacks[0])) == {"pinned_host"}
+  assert kinds(s.stacks[0]) == {"device", "pinned_host"}
+
+
 # -- FSDP over 8 CPU devices ---------------------------------------------------
 SHARDED = r'''
 from tests.test_blockwise import MODEL, batch, init_params
@@ -240,7 +257,8 @@ def fsdp(x):  # the last axis sharded (FSDP), the block axis never
 with jax.set_mesh(mesh):
   for name, tx in (("adamw", ok.kahan(optax.adamw(1e-3))),
                    ("prodigy", ok.kahan(ok.prodigy_factored(lagged_d=True)))):
-    for streamed in ((2, 2), (0, 0)):
+    # one device: only the streamed layout is compared with
+    for streamed in ((2, 2), (0, 0)) if devices > 1 else ((2, 2),):
       params = jax.tree.map(fsdp, init_params(jnp.bfloat16))
       state = ok.blockwise_init(tx, params)
       model, params, state = ok.stream_blocks(MODEL, params, state, streamed)

@@ -417,17 +417,22 @@ def _spare(x: Any) -> Any:
   return jax.device_put(np.zeros(x.shape, x.dtype), x.sharding)
 
 
-def _part(x: Any, start: int, stop: int, host: bool) -> Any:
+def _part(x: Any, start: int, stop: int, kind: Optional[str]) -> Any:
   """Blocks ``start:stop`` of a stacked leaf (an array or an abstract
-  ``jax.ShapeDtypeStruct``), in host memory if ``host``."""
+  ``jax.ShapeDtypeStruct``), in memory ``kind`` (``"pinned_host"`` or
+  ``"device"``; None: where ``x`` is)."""
   if isinstance(x, jax.ShapeDtypeStruct):
     sharding = x.sharding
-    if host and sharding is not None:
-      sharding = sharding.with_memory_kind("pinned_host")
+    if kind is not None and sharding is not None:
+      sharding = sharding.with_memory_kind(kind)
     return jax.ShapeDtypeStruct((stop - start, *x.shape[1:]), x.dtype,
                                 sharding=sharding)
   part = lax.slice_in_dim(x, start, stop)
-  return per_leaf.to_host(part) if host else part
+  if kind == "pinned_host":
+    return per_leaf.to_host(part)
+  if kind == "device" and _in_host_memory(part):
+    return per_leaf.to_device(part)
+  return part
 
 
 def stream_blocks(
@@ -446,7 +451,10 @@ def stream_blocks(
 
   Layout: stack ``s`` with ``0 < num_streamed[s] < num_blocks`` becomes two
   parts, its first blocks on the device and its last ``num_streamed[s]`` in
-  host memory, joined by the transition ``continue_stack``. With
+  host memory, joined by the transition ``continue_stack``. The weights of
+  the blocks not streamed go to the device from wherever they are (a model
+  too large for it is loaded into host memory first); their state stays
+  where it is (``kahan``'s residuals in host memory). With
   ``spare_buffers``, every leaf of the stacks in host memory (streamed, or
   ``kahan``'s residuals) becomes a ``DoubleBuffer``: the step reads one
   buffer and writes the other, so both PCIe directions run beside the
@@ -512,14 +520,18 @@ def stream_blocks(
     for j, (a, b) in enumerate(parts):
       if blocks:  # what runs between this part and the one before it
         transitions.append(continue_stack if j else model.transition(s - 1))
-      def place(x, a=a, b=b, host=a == n - k):
-        y = _part(x, a, b, host)
+      # Streamed blocks go to host memory; the others' weights to the
+      # device (from wherever they were loaded), their state stays put
+      # (kahan's residuals in host memory, unless offload=False).
+      streamed = a == n - k
+      def place(x, kind=None):  # used at once: a, b, streamed are current
+        y = _part(x, a, b, "pinned_host" if streamed else kind)
         if spare_buffers and _in_host_memory(y):
           return DoubleBuffer(y, _spare(y))
         return y
 
       blocks.append(model.blocks[s])
-      stacks.append(jax.tree.map(place, stack))
+      stacks.append(jax.tree.map(lambda x: place(x, kind="device"), stack))
       states.append(jax.tree.map(place, stack_state))
   return (BlockwiseModel(model.embed, tuple(blocks), model.head,
                          tuple(transitions)),
