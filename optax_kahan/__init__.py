@@ -37,13 +37,13 @@ from optax_kahan._src.kahan import kahan_to_float32
 from optax_kahan._src.kahan import KahanState
 from optax_kahan._src.per_block import block_axes_of
 from optax_kahan._src.per_block import per_block
-from optax_kahan._src.per_leaf import chain
+from optax_kahan._src.leafwise import chain
 from optax_kahan._src.per_leaf import for_each_leaf
 from optax_kahan._src.per_leaf import LateSums
 from optax_kahan._src.per_leaf import LeafStages
-from optax_kahan._src.per_leaf import leafwise
+from optax_kahan._src.leafwise import leafwise
 from optax_kahan._src.per_leaf import Round
-from optax_kahan._src.per_leaf import stages_of
+from optax_kahan._src.traced import stages_of
 from optax_kahan._src.per_leaf import transformation as per_leaf_transformation
 from optax_kahan._src.prodigy import prodigy_d
 from optax_kahan._src.prodigy import scale_by_prodigy

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import optax_kahan as ok
-from optax_kahan._src import per_leaf
+from optax_kahan._src import traced
 
 AXES = {"blocks": {"w": 1, "b": 1}, "deep": 2, "out": 0}
 
@@ -84,7 +84,7 @@ def test_per_block_is_tx_on_the_unstacked_tree(name):
 def test_per_block_keeps_a_per_leaf_form_and_kahan_its_memory():
   p = params()
   tx = ok.per_block(ok.prodigy_factored(), AXES)
-  st, reason = per_leaf.stages_of(tx, p, tx.init(p), p)
+  st, reason = traced.stages_of(tx, p, tx.init(p), p)
   assert st is not None, reason
   assert len(st.leaf_states) == len(jax.tree.leaves(p))  # a row per leaf
   assert len(st.rounds) == 1  # Prodigy's sums, over every block

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import optax_kahan as ok
+from optax_kahan._src import traced
 from benchmarks import step_memory
 import _steps
 
@@ -242,13 +243,16 @@ COUPLINGS = ["scan carry", "while_loop", "cond", "custom_vjp"]
 
 @pytest.mark.parametrize("kind", COUPLINGS)
 def test_couplings_are_refused_or_run_whole_tree_in_every_path(kind):
+  # b is larger than a value two leaves may share: its update, which reads
+  # leaf a, cannot be computed between the passes.
   params = {"a": jnp.linspace(-1, 2, 6, dtype=jnp.bfloat16),
-            "b": jnp.linspace(0, 1, 4, dtype=jnp.bfloat16)}
+            "b": jnp.linspace(0, 1, traced.MAX_SHARED + 1,
+                              dtype=jnp.bfloat16)}
   grads = jax.tree.map(lambda p: p.astype(jnp.float32) * 1e-2, params)
   tx = _coupling(kind)
   want, _ = tx.update(grads, tx.init(params), params)
   st, reason = ok.stages_of(tx, grads, optax.EmptyState(), params)
-  assert st is None and "leaf ['b'] reads leaf ['a']" in reason, reason
+  assert st is None and "['a'] and ['b'] meet in one array" in reason, reason
   # kahan: the whole-tree step, with a warning that says why.
   k = ok.kahan(tx, offload=False)
   with pytest.warns(UserWarning, match="no per-leaf form"):
@@ -265,7 +269,7 @@ def test_couplings_are_refused_or_run_whole_tree_in_every_path(kind):
   with pytest.raises(ValueError, match="no per-leaf form"):
     ok.leafwise(tx).update(grads, optax.EmptyState(), params)
   p = ok.scale_by_prodigy(tx)
-  with pytest.raises(ValueError, match="no per-leaf form.*reads leaf"):
+  with pytest.raises(ValueError, match="no per-leaf form.*meet in one array"):
     p.update(grads, p.init(grads), grads)
   model = ok.BlockwiseModel(
       embed=lambda p, x: (x * p["e"], ()),
@@ -273,9 +277,24 @@ def test_couplings_are_refused_or_run_whole_tree_in_every_path(kind):
       head=lambda p, h, _, x: jnp.sum(h * p["b"][:1]) + jnp.sum(p["a"]))
   bparams = ok.BlockwiseParams({"e": jnp.ones(4)}, ({"w": jnp.ones((2, 4))},),
                                grads)
-  with pytest.raises(ValueError, match="no per-leaf form.*reads leaf"):
+  with pytest.raises(ValueError, match="no per-leaf form.*meet in one array"):
     ok.blockwise_step(model, tx, bparams, ok.blockwise_init(tx, bparams),
                       jnp.ones(4))
+
+
+@pytest.mark.parametrize("kind", COUPLINGS)
+def test_a_small_coupling_is_computed_between_the_passes(kind):
+  # b's update reads a sum of leaf a through a scan, a loop, a cond or a
+  # custom_vjp: as a value shared by the leaves, computed after the pass that
+  # computes a's sum, from the program's own equations.
+  params = {"a": jnp.linspace(-1, 2, 6), "b": jnp.linspace(0, 1, 4)}
+  grads = jax.tree.map(lambda p: p * 1e-2, params)
+  tx = _coupling(kind)
+  want, _ = jax.jit(tx.update)(grads, optax.EmptyState(), params)
+  st, reason = ok.stages_of(tx, grads, optax.EmptyState(), params)
+  assert st is not None and len(st.rounds) == 1, reason
+  got, _ = jax.jit(ok.leafwise(tx).update)(grads, optax.EmptyState(), params)
+  _assert_bitwise_equal(got, want, kind)
 
 
 def test_a_scan_that_keeps_leaves_apart_is_proved_per_leaf():
@@ -360,15 +379,16 @@ def test_extra_args_reach_every_row_and_the_state_keeps_its_layout():
 def test_errors_name_the_problem():
   tx = ok.leafwise(optax.adam(1e-3))
   state = tx.init({"a": jnp.ones(3)})
-  with pytest.raises(ValueError, match="does not match"):
+  with pytest.raises(ValueError, match="could not be traced.*pytree"):
     tx.update({"a": jnp.ones(3), "b": jnp.ones(2)}, state)
   with pytest.raises(ValueError, match="needs params"):
     p = ok.prodigy()
     p.update({"a": jnp.ones(3)}, p.init({"a": jnp.ones(3)}))
-  params = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
+  params = {"a": jnp.ones(3), "b": jnp.ones(traced.MAX_SHARED + 1)}
   coupled = optax.chain(optax.adam(1e-3), _coupling("cond"))
   with pytest.raises(ValueError,
-                     match="no per-leaf form: member 1 of the chain.*reads"):
+                     match="no per-leaf form: its values for leaves .'a'. and "
+                     ".'b'. meet in one array of 16385 elements"):
     ok.leafwise(coupled).update(params, coupled.init(params), params)
   # Per-leaf clipping is proved fine.
   clip = optax.chain(optax.clip_by_block_rms(1.0), optax.adam(1e-3))

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import optax
 
-from optax_kahan._src import per_leaf
+from optax_kahan._src import leafwise
 from optax_kahan._src.bias_corrected_clip import clip_by_bias_corrected_rms
 from optax_kahan._src.factored_second_moment import scale_by_factored_second_moment
 from optax_kahan._src.prodigy import scale_by_prodigy
@@ -140,7 +140,7 @@ def prodigy(
   if update_clip is not None:
     clip = (clip_by_bias_corrected_rms(update_clip, b1, b2)
             if bias_corrected_clip else optax.clip_by_block_rms(update_clip))
-    preconditioner = per_leaf.chain(preconditioner, clip)
+    preconditioner = leafwise.chain(preconditioner, clip)
   estimator = scale_by_prodigy(
       preconditioner,
       learning_rate=learning_rate,
@@ -156,7 +156,7 @@ def prodigy(
       state_dtype=state_dtype)
   if decouple:
     return estimator
-  return per_leaf.chain(optax.add_decayed_weights(weight_decay), estimator)
+  return leafwise.chain(optax.add_decayed_weights(weight_decay), estimator)
 
 
 # prodigy_factored's defaults where they differ from prodigy's.
@@ -258,5 +258,5 @@ def stable_adamw(
   validation.warn_low_precision_hyperparams(
       "stable_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay)
-  return per_leaf.chain(scale_by_stable_adamw(b1, b2, eps, weight_decay),
+  return leafwise.chain(scale_by_stable_adamw(b1, b2, eps, weight_decay),
                         optax.scale_by_learning_rate(learning_rate))

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan._src import per_leaf
 from optax_kahan._src import validation
 
 
@@ -93,5 +92,5 @@ def clip_by_bias_corrected_rms(threshold: float, b1: float, b2: float
 
     return jax.tree.map(clip, updates), ClipByBiasCorrectedRmsState(count)
 
-  return per_leaf.leaf_by_leaf(optax.GradientTransformation(init_fn,
-                                                            update_fn))
+  return optax.with_extra_args_support(
+      optax.GradientTransformation(init_fn, update_fn))

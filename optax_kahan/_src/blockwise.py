@@ -72,6 +72,7 @@ import optax
 from jax import lax
 
 from optax_kahan._src import per_leaf
+from optax_kahan._src import traced
 from optax_kahan._src import validation
 from optax_kahan._src.leaves import commit_with
 
@@ -703,7 +704,7 @@ def _is_late(x: Any) -> bool:
 def _check_per_group(tx: optax.GradientTransformation, grads: Any,
                      state: Any, params: Any) -> None:
   """Refuses ``tx`` unless it acts leaf by leaf but for late sums."""
-  st, reason = per_leaf.stages_of(tx, grads, state, params)
+  st, reason = traced.stages_of(tx, grads, state, params)
   if st is None:
     raise ValueError(
         f"blockwise_step applies tx to each block on its own, and tx has no "
@@ -716,6 +717,35 @@ def _check_per_group(tx: optax.GradientTransformation, grads: Any,
         "update (Prodigy's d, a global norm): build it to reduce late, e.g. "
         "prodigy(..., lagged_d=True), which takes each step with the d known "
         "at its start")
+
+
+def _check_same_rows(tx: optax.GradientTransformation,
+                     params: BlockwiseParams) -> None:
+  """Refuses ``tx`` unless each group's step gives every leaf the update
+  ``tx`` gives it on the whole tree (the stacks' blocks as separate
+  leaves): ``traced.same_rows``."""
+  abstract = lambda t: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), t)
+  blocks = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      jnp.shape(x)[1:], jnp.result_type(x)), stack) for stack in params.stacks]
+  whole = BlockwiseParams(
+      abstract(params.embed),
+      tuple((b,) * num_blocks(stack) for b, stack in zip(blocks, params.stacks)),
+      abstract(params.head))
+  groups, start = [], 0
+  for tree in (whole.embed, *(b for s in whole.stacks for b in s),
+               whole.head):
+    size = len(jax.tree.leaves(tree))
+    groups.append((tree, list(range(start, start + size))))
+    start += size
+  reason = traced.same_rows(tx, whole, groups)
+  if reason:
+    raise ValueError(
+        "blockwise_step applies tx to each group of leaves (the embedding, "
+        "each block, the head) on its own, and that is not tx on the whole "
+        f"tree: {reason}. Compute masks and labels from the leaf's own path "
+        "or shape, clip per leaf (optax.clip_by_block_rms), and give Prodigy "
+        "lagged_d=True")
 
 
 def _on_device(x: jax.Array) -> jax.Array:
@@ -894,6 +924,7 @@ def blockwise_step(
   # A DoubleBuffer is read from its front and written into its back.
   layout = (params, state)
   params, state = front_buffers(layout)
+  _check_same_rows(tx, params)
   spares = _back(layout)
   (carry, consts), embed_vjp = jax.vjp(lambda p: model.embed(p, batch),
                                        params.embed)

@@ -6,9 +6,10 @@ have optax's state and results as ``optax_kahan.per_leaf`` stages::
   clip_by_global_norm:  sum_i ||g_i||^2  ->  norm  ->  g_i * min(1, c / norm)
   apply_if_finite:      sum_i #nonfinite(g_i)  ->  finite  ->  inner or zero
 
-``optax_form`` recognises optax's own (and ``optax.chain`` s holding them),
-so ``kahan(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(...)))``
-keeps a per-leaf form.
+optax's own ``clip_by_global_norm`` needs neither: its stages are cut from
+its program (``optax_kahan.traced``), and they sum the norm in optax's
+order. optax's ``apply_if_finite`` selects the whole tree with one
+``lax.cond``, which cannot be cut; this one selects each leaf.
 
 References:
   optax, ``clip_by_global_norm`` and ``apply_if_finite``.
@@ -18,13 +19,12 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
-
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_kahan._src import per_leaf
+from optax_kahan._src import traced
 
 
 def clip_by_global_norm(max_norm: float
@@ -100,7 +100,7 @@ def apply_if_finite(inner: optax.GradientTransformation,
   plain = optax.apply_if_finite(inner, max_consecutive_errors)
 
   def stages(updates, state, params, **extra_args):
-    st, reason = per_leaf.stages_of(inner, updates, state.inner_state, params,
+    st, reason = traced.stages_of(inner, updates, state.inner_state, params,
                                     **extra_args)
     if st is None:
       return f"its inner transformation: {reason}"
@@ -117,10 +117,11 @@ def apply_if_finite(inner: optax.GradientTransformation,
       return (finite, count, apply, shared[3])
 
     def inner_round(rnd):
-      return per_leaf.Round(
-          lambda g, s, x, shared, **extra: rnd.statistic(
+      return rnd._replace(
+          statistic=lambda g, s, x, shared, **extra: rnd.statistic(
               g, s, x, shared[3], **extra),
-          lambda sums, shared: (*shared[:3], rnd.combine(sums, shared[3])))
+          combine=lambda sums, shared: (*shared[:3],
+                                        rnd.combine(sums, shared[3])))
 
     def update(g, s, x, shared, **extra):
       u, new = st.update(g, s, x, shared[3], **extra)
@@ -143,53 +144,5 @@ def apply_if_finite(inner: optax.GradientTransformation,
         (per_leaf.Round(statistic, combine),
          *(inner_round(r) for r in st.rounds)), update, finish)
 
-  return per_leaf.transformation(plain.init, stages, whole_tree=plain.update)
-
-
-
-# -- optax's own, recognised ---------------------------------------------------
-def _code(fn: Any) -> Any:
-  return getattr(fn, "__code__", None)
-
-
-def _free(fn: Callable[..., Any]) -> dict[str, Any]:
-  return dict(zip(fn.__code__.co_freevars,
-                  (c.cell_contents for c in fn.__closure__ or ())))
-
-
-_EMPTY = optax.GradientTransformation(optax.init_empty_state,
-                                      lambda u, s, p=None: (u, s))
-_EXTRA_ARGS = _code(optax.with_extra_args_support(_EMPTY).update)
-_CHAIN_INIT = _code(optax.chain(_EMPTY).init)
-_CHAIN_UPDATE = _code(optax.chain(_EMPTY).update)
-_CLIP = _code(optax.clip_by_global_norm(1.0).update)
-_IF_FINITE = _code(optax.apply_if_finite(_EMPTY, 1).update)
-
-
-def optax_form(tx: optax.GradientTransformation
-               ) -> Optional[optax.GradientTransformationExtraArgs]:
-  """This package's form of optax's ``chain``, ``clip_by_global_norm`` or
-  ``apply_if_finite`` (or ``with_extra_args_support`` of one), or None.
-
-  Recognised by the update function's code object (the installed optax's
-  own) and rebuilt from its free variables (the members, the norm, the inner
-  transformation), with the same state; any other layout is not recognised
-  (no guess). The results are optax's up to the summation order of the
-  global norm (an ulp).
-  """
-  code = _code(getattr(tx, "update", None))
-  free = _free(tx.update) if code is not None else {}
-  if code is _EXTRA_ARGS and set(free) == {"tx"}:
-    return optax_form(free["tx"])
-  if code is _CLIP and set(free) == {"max_norm"}:
-    return clip_by_global_norm(free["max_norm"])
-  if code is _IF_FINITE and set(free) == {"inner", "max_consecutive_errors"}:
-    return apply_if_finite(free["inner"], free["max_consecutive_errors"])
-  if (code is _CHAIN_UPDATE and set(free) == {"update_fns"}
-      and _code(tx.init) is _CHAIN_INIT
-      and set(_free(tx.init)) == {"init_fns"}):
-    inits, updates = _free(tx.init)["init_fns"], free["update_fns"]
-    if len(inits) == len(updates):
-      return per_leaf.chain(*map(optax.GradientTransformationExtraArgs,
-                                 inits, updates))
-  return None
+  return per_leaf.transformation(plain.init, stages, whole_tree=plain.update,
+                                 parts=(inner,))

@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan._src import per_leaf
 from optax_kahan._src import validation
 from optax_kahan._src.second_moment import first_moment
 from optax_kahan._src.second_moment import rescale_moment
@@ -176,5 +175,4 @@ def scale_by_factored_second_moment(
                          ).astype(g.dtype), updates, num, v_hat)
     return out, ScaleByFactoredSecondMomentState(count, mu, row, col, v)
 
-  return per_leaf.leaf_by_leaf(
-      optax.GradientTransformationExtraArgs(init_fn, update_fn))
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

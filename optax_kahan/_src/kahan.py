@@ -35,6 +35,7 @@ import optax
 from optax_kahan._src import bits
 from optax_kahan._src import blockwise
 from optax_kahan._src import per_leaf
+from optax_kahan._src import traced
 from optax_kahan._src import validation
 from optax_kahan._src.bits import Rounding
 from optax_kahan._src.leaves import commit_with
@@ -358,7 +359,7 @@ def kahan(
 
   stages = functools.partial(_stages, inner, rounding, offload)
   whole_tree = functools.partial(_whole_tree, inner, rounding, offload)
-  return per_leaf.transformation(init_fn, stages, ordered=True,
+  return per_leaf.transformation(init_fn, stages, ordered=True, parts=(inner,),
                                  whole_tree=whole_tree)
 
 
@@ -391,7 +392,7 @@ def _stages(inner, rounding, offload, updates, state, params, **extra_args):
   lows, residuals = _checked(updates, state, params, offload)
   exact_like = jax.tree.map(lambda p: jax.ShapeDtypeStruct(
       p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
-  inner_st, reason = per_leaf.stages_of(
+  inner_st, reason = traced.stages_of(
       inner, upcast(updates), state.inner_state, exact_like, **extra_args)
   if inner_st is None:
     validation.warn(
@@ -406,7 +407,7 @@ def _stages(inner, rounding, offload, updates, state, params, **extra_args):
     def fn(g, s, w, shared, **extra):
       return rnd.statistic(upcast(g), s, _exact(w.p, w.lo, rounding), shared,
                            **extra)
-    return per_leaf.Round(fn, rnd.combine)
+    return rnd._replace(statistic=fn)
 
   def update(g, s, w, shared, **extra):
     # The new residual goes back to host memory inside the leaf's row, so

@@ -18,8 +18,8 @@ a tuple in the leaf's place) and ``S`` its inverse. So the ordinary step on
 the stacked tree, ``blockwise_step`` (which steps each block on its own) and
 the unstacked model are one optimizer. Where ``tx`` has a per-leaf form
 (``optax_kahan.per_leaf``) so does ``per_block(tx)``: a stacked leaf's row
-runs ``tx``'s row for each of its blocks and sums their statistics (which
-reorders a sum over blocks: agreement to float32 rounding, not bit for bit).
+runs ``tx``'s row for each of its blocks, and each round reduces the
+blocks' statistics in the unstacked tree's order.
 
 References:
   Flax ``nn.scan`` and ``nnx.vmap`` (``variable_axes``, ``transform_metadata``
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_kahan._src import per_leaf
+from optax_kahan._src import traced
 
 
 class _Blocks:
@@ -163,7 +164,7 @@ def per_block(tx: optax.GradientTransformation,
 
   def stages(updates, state, params, **extra_args):
     axes = _leaf_axes(block_axes, updates)
-    inner, reason = per_leaf.stages_of(tx, _unstack(updates, axes), state,
+    inner, reason = traced.stages_of(tx, _unstack(updates, axes), state,
                                        _unstack(params, axes), **extra_args)
     if inner is None:
       return reason
@@ -187,11 +188,18 @@ def per_block(tx: optax.GradientTransformation,
       return [fn(*row) for row in zip(_blocks(g, s.axes), s.states, xs)]
 
     def round_of(rnd):
+      # Each leaf's statistics are its blocks'; the round reduces them over
+      # every block, in the order of the unstacked tree.
       def statistic(g, s, x, shared, **extra):
         outs = rows(lambda *r: rnd.statistic(*r, shared, **extra), g, s, x)
-        return (per_leaf.total([stat for stat, _ in outs]),
+        return (tuple(stat for stat, _ in outs),
                 _Blocks(tuple(b for _, b in outs), s.axes))
-      return per_leaf.Round(statistic, rnd.combine)
+
+      def reduce(stats):
+        blocks = [b for leaf in stats for b in leaf]
+        return (per_leaf.total if rnd.reduce is None else rnd.reduce)(blocks)
+
+      return rnd._replace(statistic=statistic, reduce=reduce)
 
     def update(g, s, x, shared, **extra):
       outs = rows(lambda *r: inner.update(*r, shared, **extra), g, s, x)
@@ -205,7 +213,8 @@ def per_block(tx: optax.GradientTransformation,
         cuts, inner.shared, tuple(round_of(r) for r in inner.rounds), update,
         finish)
 
-  return per_leaf.transformation(init_fn, stages, whole_tree=whole_tree)
+  return per_leaf.transformation(init_fn, stages, whole_tree=whole_tree,
+                                 parts=(tx,))
 
 
 def _names(x: Any) -> Optional[tuple[Any, ...]]:

@@ -16,19 +16,15 @@ per-leaf updates). Reduce late: a transformation may fold a step's sums in
 at the start of the next (Prodigy's ``lagged_d``), keeping them in a
 ``LateSums``, which ``blockwise_step`` adds up over groups of leaves.
 
-Who implements it (``stages_of``): every transformation of this package;
-optax's through one adapter (``adapt``), once ``dependence.per_leaf_proof``
-has proved from the traced update that no leaf's output reads another
-leaf's inputs; optax's own ``chain``, ``clip_by_global_norm`` and
-``apply_if_finite`` through this package's (``coupled.optax_form``). Any
-other has no per-leaf form, and ``kahan`` runs it on the whole tree, with a
-warning.
+Who implements it (``optax_kahan.traced.stages_of``): a transformation
+built with ``transformation`` declares its stages; any other has the stages
+cut from its own whole-tree program (``optax_kahan.traced``), or none, and
+then ``kahan`` runs it on the whole tree, with a warning.
 
 One ordering primitive runs rows, ``for_each_leaf``: by data dependencies
 when lowered for a GPU (or any non-CPU backend), as ``lax.cond`` islands on
 the CPU. Both evaluate the same per-leaf functions, and ``jax.grad`` and
-``jax.vmap`` go through both. A per-leaf step is, bit for bit, the
-transformation applied to each leaf alone; against its whole-tree program it
+``jax.vmap`` go through both. Against the whole-tree program a row
 can differ by an ulp (XLA turns ``optax.adam``'s bias-correction division
 into a reciprocal multiply only where the scalar has one user, a leaf's row).
 
@@ -45,16 +41,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan._src import dependence
 
 
 class Round(NamedTuple):
   """Stages 1 and 2: ``statistic(g_i, s_i, x_i, shared, **extra_args) ->
-  (stat_i, s_i)`` (arrays summed over the leaves, and the leaf's state, which
-  a round may update, as Prodigy's ``s``), then ``combine(sums, shared) ->
-  shared``, what the later stages see."""
+  (stat_i, s_i)`` (arrays, and the leaf's state, which a round may update,
+  as Prodigy's ``s``), then ``combine(reduce([stat_i]), shared) -> shared``,
+  what the later stages see. ``reduce`` is the sum over the leaves
+  (``total``) unless given: a round cut from a traced program
+  (``optax_kahan.traced``) takes the list and adds it up as that program
+  does."""
   statistic: Callable[..., tuple[Any, Any]]
   combine: Callable[[Any, Any], Any]
+  reduce: Optional[Callable[[list[Any]], Any]] = None
 
 
 class LeafStages(NamedTuple):
@@ -96,14 +95,17 @@ class LateSums(NamedTuple):
 class PerLeafUpdate:
   """The ``update`` of a transformation that declares its stages: runs them
   as one whole-tree program (XLA fuses freely, as for optax's own) or, if
-  ``ordered``, row by row (``for_each_leaf``). ``stages_of`` reads
-  ``stages``."""
+  ``ordered``, row by row (``for_each_leaf``). ``traced.stages_of`` reads
+  ``stages``; ``parts`` are the transformations whose updates its rows run
+  on the same leaves (``kahan``'s inner one, a chain's members)."""
 
   def __init__(self, stages: StagesFn, *, ordered: bool = False,
-               whole_tree: Optional[Callable[..., Any]] = None):
+               whole_tree: Optional[Callable[..., Any]] = None,
+               parts: tuple[optax.GradientTransformation, ...] = ()):
     self.stages = stages
     self.ordered = ordered
     self.whole_tree = whole_tree
+    self.parts = parts
 
   def __call__(self, updates, state, params=None, **extra_args):
     st = self.stages(updates, state, params, **extra_args)
@@ -119,6 +121,7 @@ class PerLeafUpdate:
 def transformation(
     init: Callable[..., Any], stages: StagesFn, *, ordered: bool = False,
     whole_tree: Optional[Callable[..., Any]] = None,
+    parts: tuple[optax.GradientTransformation, ...] = (),
 ) -> optax.GradientTransformationExtraArgs:
   """A transformation that implements the per-leaf contract.
 
@@ -129,147 +132,17 @@ def transformation(
     ordered: run the rows in order (``for_each_leaf``), one leaf's
       temporaries dead before the next's are made, not as one program.
     whole_tree: the update where ``stages`` returns a reason.
+    parts: the transformations ``stages`` runs on the same leaves, whose
+      programs ``traced.same_rows`` checks in each group of leaves.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` is a
     ``PerLeafUpdate`` (an optax wrapper around it builds another update
-    function, which ``stages_of`` then has to prove or recognise).
+    function, whose stages ``traced.stages_of`` cuts from its program).
   """
   return optax.GradientTransformationExtraArgs(
-      init, PerLeafUpdate(stages, ordered=ordered, whole_tree=whole_tree))
-
-
-def stages_of(tx: optax.GradientTransformation, updates: Any, state: Any,
-              params: Any, **extra_args: Any
-              ) -> tuple[Optional[LeafStages], str]:
-  """``tx``'s stages for these arguments, or None and the reason.
-
-  Declared stages, else ``adapt``'s if ``dependence.per_leaf_proof`` proves
-  that ``tx`` acts leaf by leaf, else those of ``coupled.optax_form(tx)``.
-
-  Args:
-    tx: a gradient transformation.
-    updates: the gradients (arrays or ``jax.ShapeDtypeStruct`` s).
-    state: ``tx``'s state.
-    params: the params (arrays, abstract, or None).
-    **extra_args: the extra arguments its update will get.
-
-  Returns:
-    ``(stages, "")`` or ``(None, reason)``.
-  """
-  if isinstance(getattr(tx, "update", None), PerLeafUpdate):
-    st = tx.update.stages(updates, state, params, **extra_args)
-    return (st, "") if isinstance(st, LeafStages) else (None, st)
-  tx = optax.with_extra_args_support(tx)
-  try:
-    layout = Layout.of(tx)
-  except Exception as e:  # pylint: disable=broad-except
-    return None, f"its state's per-leaf entries cannot be found ({e})"
-  labels = layout.labels(state, jax.tree.structure(updates))
-  if labels is None:
-    return None, "its state does not match the updates' tree"
-  reason = dependence.per_leaf_proof(tx.update, updates, state, params,
-                                     labels, extra_args)
-  if not reason:
-    return adapt(tx, updates, state, layout), ""
-  from optax_kahan._src import coupled  # pylint: disable=g-import-not-at-top
-  known = coupled.optax_form(tx)  # (coupled builds on this module)
-  if known is None:
-    return None, reason
-  return stages_of(known, updates, state, params, **extra_args)
-
-
-# -- the adapter: a transformation that acts leaf by leaf ---------------------
-class _ParamsSlot:
-  """Stands in for the params in ``tx.init``: a pytree with no leaves, so
-  every subtree of the state mapped from the params comes out as a slot
-  (``optax.tree.map_params`` finds the per-leaf entries the same way)."""
-
-
-jax.tree_util.register_pytree_node(
-    _ParamsSlot, lambda _: ((), None), lambda *_: _ParamsSlot())
-
-
-def _is_slot(x: Any) -> bool:
-  return isinstance(x, _ParamsSlot)
-
-
-class Layout(NamedTuple):
-  """Where a transformation's state has per-leaf entries (its slots)."""
-  entries: list[Any]  # a _ParamsSlot, or a shared entry's template
-  treedef: Any        # the state's structure with the slots as leaves
-
-  @classmethod
-  def of(cls, tx: optax.GradientTransformation) -> "Layout":
-    entries, treedef = jax.tree.flatten(jax.eval_shape(tx.init, _ParamsSlot()),
-                                        is_leaf=_is_slot)
-    return cls(entries, treedef)
-
-  def split(self, state: Any, params_def: Any) -> list[Any]:
-    """``state`` cut into one state per leaf (shared entries in each); a
-    slot the state leaves None (no first moment at ``b1 = 0``) is None."""
-    n = params_def.num_leaves
-    columns = [params_def.flatten_up_to(part)
-               if _is_slot(e) and part is not None else [part] * n
-               for e, part in zip(self.entries,
-                                  self.treedef.flatten_up_to(state))]
-    return [self.treedef.unflatten([c[i] for c in columns]) for i in range(n)]
-
-  def merge(self, states: list[Any], params_def: Any) -> Any:
-    """The per-leaf states put back together (shared entries from the first)."""
-    rows = [self.treedef.flatten_up_to(s) for s in states]
-    parts = [params_def.unflatten([r[j] for r in rows])
-             if _is_slot(e) and rows[0][j] is not None else rows[0][j]
-             for j, e in enumerate(self.entries)]
-    return self.treedef.unflatten(parts)
-
-  def labels(self, state: Any, params_def: Any) -> Optional[list[int]]:
-    """For each array of ``state``: its leaf, or -1 if shared (it is in
-    every leaf's cut); None if the state does not have this layout."""
-    flat, treedef = jax.tree.flatten(state)
-    try:
-      cuts = self.split(treedef.unflatten(range(len(flat))), params_def)
-    except (ValueError, TypeError):
-      return None
-    owner = {}
-    for i, cut in enumerate(cuts):
-      for j in jax.tree.leaves(cut):
-        owner[j] = -1 if j in owner else i
-    return [owner.get(j, -1) for j in range(len(flat))]
-
-
-def adapt(tx: optax.GradientTransformationExtraArgs, updates: Any, state: Any,
-          layout: Optional[Layout] = None) -> LeafStages:
-  """The stages of a transformation known or proved (``stages_of``) to act
-  leaf by leaf: no rounds, and ``tx.update`` on each leaf alone with its cut
-  of the state (the state keeps ``tx``'s own layout)."""
-  layout = layout or Layout.of(tx)
-  params_def = jax.tree.structure(updates)
-  try:
-    leaf_states = layout.split(state, params_def)
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-        f"the state does not match the updates' tree ({e}); initialise it "
-        "with init on params of the same structure") from e
-
-  def update(g, s, x, shared, **extra_args):
-    del shared
-    return tx.update(g, s, x, **extra_args)
-
-  return LeafStages(leaf_states, None, (), update,
-                    lambda states, _: layout.merge(states, params_def))
-
-
-def leaf_by_leaf(tx: optax.GradientTransformation
-                 ) -> optax.GradientTransformationExtraArgs:
-  """Declares that ``tx`` (one of this package's) acts leaf by leaf."""
-  tx = optax.with_extra_args_support(tx)
-
-  def stages(updates, state, params, **extra_args):
-    del params, extra_args
-    return adapt(tx, updates, state)
-
-  return transformation(tx.init, stages)
+      init, PerLeafUpdate(stages, ordered=ordered, whole_tree=whole_tree,
+                          parts=parts))
 
 
 # -- running the stages -----------------------------------------------------
@@ -312,7 +185,9 @@ def run(st: LeafStages, grads: list[Any], xs: list[Any], *, ordered: bool,
     outs = [chained for _, chained in one_pass(
         statistic, (grads, states, xs), after, backwards=i % 2 == 1)]
     states = [s for _, s in outs]
-    shared = after = rnd.combine(total([stat for stat, _ in outs]), shared)
+    stats = [stat for stat, _ in outs]
+    shared = after = rnd.combine(
+        total(stats) if rnd.reduce is None else rnd.reduce(stats), shared)
   outs = one_pass(lambda g, s, x: st.update(g, s, x, shared, **extra_args),
                   (grads, states, xs), after,
                   backwards=len(st.rounds) % 2 == 1)
@@ -460,111 +335,3 @@ def apart_on_cpu(fn: Callable[..., Any], *args: Any) -> Any:
                    *args)[0]
 
   return jax.lax.platform_dependent(*args, cpu=cpu, default=fn)
-
-
-# -- composition ---------------------------------------------------------------
-def chain(*txs: optax.GradientTransformation
-          ) -> optax.GradientTransformationExtraArgs:
-  """``optax.chain`` that keeps the per-leaf contract of its members.
-
-  ``optax.chain``'s state and results. Its stages: the members' rounds in
-  order (member ``j``'s statistics read members ``0..j-1``'s per-leaf
-  updates, recomputed in that round's rows), then each member's update. With
-  a member that has no per-leaf form, the update is ``optax.chain``'s.
-
-  Args:
-    *txs: the transformations, in order.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``.
-
-  Example:
-    >>> import optax
-    >>> import optax_kahan as ok
-    >>> tx = ok.chain(ok.clip_by_global_norm(1.0), optax.adamw(1e-4))
-  """
-  txs = tuple(optax.with_extra_args_support(t) for t in txs)
-  plain = optax.chain(*txs)
-
-  def stages(updates, state, params, **extra_args):
-    if len(state) != len(txs):
-      raise ValueError(f"chain of {len(txs)} transformations got a state of "
-                       f"{len(state)} entries")
-    n = jax.tree.structure(updates).num_leaves
-    members = []
-    for j, (tx, s) in enumerate(zip(txs, state)):
-      st, reason = stages_of(tx, updates, s, params, **extra_args)
-      if st is None:
-        return f"member {j} of the chain: {reason}"
-      members.append(st)
-    leaf_states = [tuple(m.leaf_states[i] for m in members) for i in range(n)]
-
-    def through(g, s, x, shared, upto, **extra):
-      # The updates of members 0..upto-1 of one leaf (states unchanged).
-      for m, si, sh in zip(members[:upto], s, shared):
-        g, _ = m.update(g, si, x, sh, **extra)
-      return g
-
-    rounds = []
-    for j, m in enumerate(members):
-      for rnd in m.rounds:
-
-        def statistic(g, s, x, shared, j=j, rnd=rnd, **extra):
-          g = through(g, s, x, shared, j, **extra)
-          stat, sj = rnd.statistic(g, s[j], x, shared[j], **extra)
-          return stat, s[:j] + (sj,) + s[j + 1:]
-
-        def combine(sums, shared, j=j, rnd=rnd):
-          return shared[:j] + (rnd.combine(sums, shared[j]),) + shared[j + 1:]
-
-        rounds.append(Round(statistic, combine))
-
-    def update(g, s, x, shared, **extra):
-      new = []
-      for m, si, sh in zip(members, s, shared):
-        g, si = m.update(g, si, x, sh, **extra)
-        new.append(si)
-      return g, tuple(new)
-
-    def finish(states, shared):
-      return tuple(m.finish([s[j] for s in states], shared[j])
-                   for j, m in enumerate(members))
-
-    return LeafStages(leaf_states, tuple(m.shared for m in members),
-                      tuple(rounds), update, finish)
-
-  return transformation(plain.init, stages, whole_tree=plain.update)
-
-
-def leafwise(tx: optax.GradientTransformation
-             ) -> optax.GradientTransformationExtraArgs:
-  """Runs ``tx`` row by row (``for_each_leaf``), bounding its scratch by a leaf.
-
-  A whole-tree program has every leaf's float32 temporaries alive at once;
-  ``leafwise(tx)`` runs ``tx``'s stages (``stages_of``) one leaf after the
-  other, as ``kahan`` does, with ``tx``'s results (module docstring).
-
-  Args:
-    tx: a transformation with a per-leaf form.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs`` with ``tx``'s state.
-
-  Raises:
-    ValueError: at the first update, when ``tx`` has no per-leaf form (it
-      couples leaves in a way it does not declare), saying why.
-
-  Example:
-    >>> import optax
-    >>> tx = leafwise(optax.adamw(1e-4))
-  """
-  tx = optax.with_extra_args_support(tx)
-
-  def stages(updates, state, params, **extra_args):
-    st, reason = stages_of(tx, updates, state, params, **extra_args)
-    if st is None:
-      raise ValueError(f"leafwise: the transformation has no per-leaf form: "
-                       f"{reason}")
-    return st
-
-  return transformation(tx.init, stages, ordered=True)

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_kahan._src import per_leaf
+from optax_kahan._src import traced
 from optax_kahan._src import validation
 
 
@@ -243,7 +244,8 @@ def scale_by_prodigy(
                  else None))
 
   return per_leaf.transformation(
-      init_fn, functools.partial(_stages, hp, preconditioner))
+      init_fn, functools.partial(_stages, hp, preconditioner),
+      parts=(preconditioner,))
 
 
 class _Hyper(NamedTuple):
@@ -296,7 +298,7 @@ def _stages(hp: _Hyper, preconditioner: optax.GradientTransformationExtraArgs,
       dtype=dtype, s_weight=(d / hp.d0) * d if hp.safeguard_warmup else weight)
   d_ratio = state.d_prev / d
   frozen = lr == 0  # prodigyopt skips the whole step, moments included.
-  pst, reason = per_leaf.stages_of(
+  pst, reason = traced.stages_of(
       preconditioner, updates, state.preconditioner_state, params,
       d_ratio=d_ratio, d_growth=jnp.ones([], dtype), **extra_args)
   if pst is None or pst.rounds:

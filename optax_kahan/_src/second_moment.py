@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan._src import per_leaf
 from optax_kahan._src import validation
 
 
@@ -156,5 +155,4 @@ def scale_by_second_moment(
     out = jax.tree.map(precondition, updates, num, nu)
     return out, ScaleBySecondMomentState(count, mu, nu)
 
-  return per_leaf.leaf_by_leaf(
-      optax.GradientTransformationExtraArgs(init_fn, update_fn))
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

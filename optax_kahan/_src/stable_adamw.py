@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_kahan._src import per_leaf
 from optax_kahan._src import validation
 from optax_kahan._src.second_moment import ScaleBySecondMomentState
 from optax_kahan._src.second_moment import scale_by_second_moment
@@ -95,4 +94,5 @@ def scale_by_stable_adamw(
     out = jax.tree.map(clip, updates, direction, moments.nu, params)
     return out, ScaleByStableAdamWState(moments)
 
-  return per_leaf.leaf_by_leaf(optax.GradientTransformation(init_fn, update_fn))
+  return optax.with_extra_args_support(
+      optax.GradientTransformation(init_fn, update_fn))

@@ -1,0 +1,498 @@
+"""The per-leaf form of any transformation, cut from its own whole-tree program.
+
+``tx.update`` is traced once on the whole tree (``jax.make_jaxpr``, nothing
+runs), so that everything it decides in Python from the tree (masks and
+labels, callables of the params tree included; key paths; the number of
+leaves a random key is split into) is decided as it always is. Each value of
+that program is labelled with the leaves it reads::
+
+  L(g_i) = L(x_i) = {i};  L(state, consts, extra args) = {}
+  L(out)  = union of L(in)                   for an equation's outputs
+  L(out)  = {}, out shared ("global")        when that union has two leaves
+
+A global value (a norm, a count of non-finite entries, Prodigy's sums) must be
+small; it is computed between passes from the per-leaf values it reads
+(``Round``), at a level one above theirs. Leaf ``i``'s row in a pass then
+evaluates the equations its targets need, stopping at the inputs and at the
+globals already computed: the program's own equations, bound again in order,
+with no other leaf's input in reach. Every output is the whole-tree program's
+output, computed by the same equations; XLA compiles the rows as it compiles
+any program, so against a separately compiled whole-tree program a row can
+differ in the last bit where XLA fuses differently.
+
+Nothing is recognised: an equation is followed only through its inputs and
+outputs (one with inner jaxprs is one unit whose outputs read all its
+inputs), whatever its primitive. What cannot be cut is refused with the
+reason: an equation with effects, a value of many elements shared by two
+leaves (optax's ``apply_if_finite`` and ``MultiSteps`` select the whole tree
+with one ``lax.cond``), an update of one leaf that reads another.
+
+References:
+  JAX, "Understanding Jaxprs" and "Writing custom Jaxpr interpreters".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any, Optional, Union
+
+import jax
+import jax.extend as jex
+import numpy as np
+import optax
+
+from optax_kahan._src import per_leaf
+
+# The most elements a value two leaves share may have: it is computed between
+# the passes, outside every row.
+MAX_SHARED = 1 << 14
+# The most elements of a value that continues a shared one (the partial sums
+# after the first two leaves meet).
+MAX_CARRIED = 64
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["values"], meta_fields=["index"])
+@dataclasses.dataclass(frozen=True)
+class Cut:
+  """Leaf ``index``'s part of a traced transformation's state: the state
+  arrays its rows read (before the update) or write (after it)."""
+  values: tuple[Any, ...]
+  index: int
+
+
+def _is_literal(v: Any) -> bool:
+  return isinstance(v, jex.core.Literal)
+
+
+def _abstract(x: Any) -> Any:
+  if isinstance(x, (jax.Array, jax.core.Tracer, jax.ShapeDtypeStruct)):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                weak_type=getattr(jax.typeof(x), "weak_type",
+                                                  False)
+                                if not isinstance(x, jax.ShapeDtypeStruct)
+                                else x.weak_type)
+  return x
+
+
+def _value_text(x: Any) -> str:
+  """A constant as text: dtype, shape and every value."""
+  a = np.asarray(x)
+  return f"{a.dtype}{list(a.shape)}{a.tobytes().hex()}"
+
+
+def _params_text(params: dict[str, Any]) -> str:
+  """An equation's parameters as text, inner jaxprs printed, arrays by
+  value, and no object addresses (a function is its name)."""
+  def text(v):
+    if isinstance(v, (np.ndarray, jax.Array)):
+      return _value_text(v)
+    if isinstance(v, (tuple, list)):
+      return "(" + ", ".join(text(w) for w in v) + ")"
+    return re.sub(r" at 0x[0-9a-f]+", "", str(v))
+  return ", ".join(f"{k}={text(v)}" for k, v in sorted(params.items()))
+
+
+def _size(v: Any) -> int:
+  size = 1
+  for d in v.aval.shape:
+    size *= d
+  return size
+
+
+class _Program:
+  """A traced update and its cut: labels, levels, and each row's equations."""
+
+  def __init__(self, closed: Any, n: int, state_paths: list[str],
+               has_params: bool, paths: list[str]):
+    jaxpr = closed.jaxpr
+    self.eqns = jaxpr.eqns
+    self.n = n
+    invars = list(jaxpr.invars)
+    self.grads = invars[:n]
+    num_state = len(state_paths)
+    self.state = invars[n:n + num_state]
+    self.state_paths = dict(zip(self.state, state_paths))
+    rest = invars[n + num_state:]
+    self.params = rest[:n] if has_params else [None] * n
+    self.extra = rest[n:] if has_params else rest
+    self.consts = dict(zip(jaxpr.constvars, closed.consts))
+    self.outs = list(jaxpr.outvars)
+    self.paths = paths
+    self.producer = {v: e for e, eqn in enumerate(self.eqns)
+                     for v in eqn.outvars}
+
+  def label(self) -> str:
+    """Labels every value and checks the cut; the reason it fails or ""."""
+    label = {}
+    for i in range(self.n):
+      label[self.grads[i]] = frozenset([i])
+      if self.params[i] is not None:
+        label[self.params[i]] = frozenset([i])
+    level = {}
+    self.globals, is_global = [], set()
+    read = lambda v: (frozenset() if _is_literal(v)
+                      else label.get(v, frozenset()))
+    for eqn in self.eqns:
+      if eqn.effects:
+        return f"its update has effects ({eqn.primitive})"
+      ins = frozenset().union(*(read(v) for v in eqn.invars))
+      # Two leaves meet (a sum), or a small value carries a shared one on
+      # (the rest of a sum over the leaves, in the program's order).
+      shared = len(ins) > 1 or (
+          ins and any(v in is_global for v in eqn.invars
+                      if not _is_literal(v))
+          and all(_size(v) <= MAX_CARRIED for v in eqn.outvars))
+      for v in eqn.outvars:
+        if shared and _size(v) > MAX_SHARED:
+          a, b = sorted(ins)[:2]
+          return (f"its values for leaves {self.paths[a]} and "
+                  f"{self.paths[b]} meet in one array of "
+                  f"{_size(v)} elements ({eqn.primitive}), not in a sum")
+      lvl = max([level.get(v, 0) + (1 if shared and read(v) else 0)
+                 for v in eqn.invars if not _is_literal(v)], default=0)
+      for v in eqn.outvars:
+        label[v] = frozenset() if shared else ins
+        level[v] = lvl
+      if shared:
+        self.globals.extend(v for v in eqn.outvars
+                            if not isinstance(v, jex.core.DropVar))
+        is_global.update(eqn.outvars)
+    self.labels, self.levels = label, level
+    self.passes = max([level[v] for v in self.globals], default=0)
+    for i, u in enumerate(self.outs[:self.n]):
+      other = sorted(read(u) - {i})
+      if other:
+        return (f"its update of leaf {self.paths[i]} reads leaf "
+                f"{self.paths[other[0]]}")
+    return ""
+
+  def plan(self) -> None:
+    """Each pass's targets and equations per leaf: pass ``k < passes``
+    computes the per-leaf values that level ``k + 1``'s shared values read;
+    the last one, each leaf's update and its own entries of the new state."""
+    n, outs = self.n, self.outs[self.n:]
+    own = lambda v: (not _is_literal(v) and len(self.labels.get(v, ())) == 1)
+    self.stats = []
+    for k in range(1, self.passes + 1):
+      per = [[] for _ in range(n)]
+      for v in self.globals:
+        if self.levels[v] == k:
+          for w in self.eqns[self.producer[v]].invars:
+            if own(w) and w not in per[next(iter(self.labels[w]))]:
+              per[next(iter(self.labels[w]))].append(w)
+      self.stats.append(per)
+    self.mine = [[j for j, v in enumerate(outs)
+                  if own(v) and self.labels[v] == {i}] for i in range(n)]
+    self.finals = [[self.outs[i]] + [outs[j] for j in self.mine[i]]
+                   for i in range(n)]
+    self.plans = []  # plans[k][i]: (equations, inputs read)
+    for k in range(self.passes + 1):
+      known = {v for v in self.globals if self.levels[v] <= k}
+      targets = self.stats[k] if k < self.passes else self.finals
+      self.plans.append([self.slice(t, known) for t in targets])
+
+  def slice(self, targets: list[Any], known: set[Any]) -> tuple[list[int],
+                                                                set[Any]]:
+    """The equations (in program order) that compute ``targets`` from
+    ``known`` values, and the inputs they read."""
+    need, inputs, seen = set(), set(), set()
+    stack = [v for v in targets if not _is_literal(v)]
+    while stack:
+      v = stack.pop()
+      if v in seen or v in known:
+        continue
+      seen.add(v)
+      e = self.producer.get(v)
+      if e is None:
+        inputs.add(v)
+      elif e not in need:
+        need.add(e)
+        stack.extend(w for w in self.eqns[e].invars if not _is_literal(w))
+    return sorted(need), inputs
+
+  def run(self, eqn_ids: list[int], env: dict[Any, Any]) -> None:
+    """Binds the equations in order, their values into ``env``."""
+    for e in eqn_ids:
+      eqn = self.eqns[e]
+      args = [self.read(env, v) for v in eqn.invars]
+      bound = eqn.primitive.get_bind_params(eqn.params)
+      subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+      with eqn.ctx.manager:  # the context it was traced in (compute type)
+        out = eqn.primitive.bind(*subfuns, *args, **params)
+      out = out if eqn.primitive.multiple_results else [out]
+      env.update((v, x) for v, x in zip(eqn.outvars, out)
+                 if not isinstance(v, jex.core.DropVar))
+
+  def row_key(self, i: int) -> str:
+    """Leaf ``i``'s last-pass row as text: its equations (primitive,
+    parameters, operands), operands named by role (its gradient, its param,
+    a state entry by its path with the leaf's path taken out, an extra
+    argument, a constant by value), and its targets. Equal texts are equal
+    programs on equal inputs."""
+    eqn_ids, _ = self.plans[-1][i]
+    where = {}
+    leaf = self.paths[i]
+
+    def ref(v):
+      if _is_literal(v):
+        return f"{v.val!r}:{v.aval}"
+      if v in where:
+        return where[v]
+      if v is self.grads[i]:
+        return "g"
+      if v is self.params[i]:
+        return "x"
+      if v in self.state_paths:
+        return "state" + self.state_paths[v].replace(leaf, "<leaf>")
+      if v in self.consts:
+        return f"const{_value_text(self.consts[v])}"
+      return f"extra{self.extra.index(v)}:{v.aval}"
+
+    lines = []
+    for e in eqn_ids:
+      eqn = self.eqns[e]
+      lines.append(f"{eqn.primitive}[{_params_text(eqn.params)}]"
+                   f"({', '.join(ref(v) for v in eqn.invars)})")
+      for k, v in enumerate(eqn.outvars):
+        where[v] = f"%{len(lines) - 1}.{k}"
+    lines.append("-> " + ", ".join(ref(v) for v in self.finals[i]))
+    return "\n".join(lines)
+
+  def read(self, env: dict[Any, Any], v: Any) -> Any:
+    if _is_literal(v):
+      return v.val
+    if v in env:
+      return env[v]
+    return self.consts[v]
+
+
+def stages(tx: optax.GradientTransformationExtraArgs, updates: Any,
+           state: Any, params: Any, **extra_args: Any
+           ) -> Union[per_leaf.LeafStages, str]:
+  """``tx``'s stages cut from its whole-tree update, or why it cannot be cut.
+
+  Args:
+    tx: any gradient transformation (with extra-args support).
+    updates: the gradients (arrays or ``jax.ShapeDtypeStruct`` s).
+    state: ``tx``'s state (arrays: the shared outputs are computed from it).
+    params: the params (arrays, abstract, or None).
+    **extra_args: the extra arguments of the update; the rows read the
+      values given to them, which may differ.
+
+  Returns:
+    A ``per_leaf.LeafStages`` (its rounds are the levels of the shared
+    values; its leaf states are ``Cut`` s), or the reason.
+  """
+  traced = _trace(tx, updates, state, params, extra_args)
+  return traced if isinstance(traced, str) else _cut(*traced)
+
+
+def _trace(tx: optax.GradientTransformationExtraArgs, updates: Any,
+           state: Any, params: Any, extra_args: dict[str, Any]) -> Any:
+  """``tx.update`` traced on abstract arguments and labelled (``_Program``),
+  with what ``_cut`` needs; or the reason it cannot be cut."""
+  grads, treedef = jax.tree.flatten(updates)
+  n = len(grads)
+  paths = [jax.tree_util.keystr(p) or "<root>" for p, _ in
+           jax.tree_util.tree_flatten_with_path(updates)[0]]
+  ps = None if params is None else treedef.flatten_up_to(params)
+  state_flat, state_def = jax.tree.flatten(state)
+  arrays = {k: v for k, v in extra_args.items() if hasattr(v, "shape")}
+  others = {k: v for k, v in extra_args.items() if k not in arrays}
+  keys = sorted(arrays)
+
+  def fn(g, s, p, a):
+    return tx.update(treedef.unflatten(g), state_def.unflatten(s),
+                     None if p is None else treedef.unflatten(p),
+                     **dict(zip(keys, a)), **others)
+
+  abstract = lambda t: jax.tree.map(_abstract, t)
+  try:
+    closed, (u, new_state) = jax.make_jaxpr(fn, return_shape=True)(
+        abstract(grads), abstract(state_flat), abstract(ps),
+        abstract([arrays[k] for k in keys]))
+  except Exception as e:  # pylint: disable=broad-except
+    return f"its update could not be traced ({type(e).__name__}: {e})"
+  if jax.tree.structure(u) != treedef:
+    return "its update returns a tree other than the gradients'"
+  state_paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path(state)[0]]
+  prog = _Program(closed, n, state_paths, ps is not None, paths)
+  reason = prog.label()
+  if reason:
+    return reason
+  prog.plan()
+  return prog, state_flat, [arrays[k] for k in keys], jax.tree.structure(
+      new_state), keys
+
+
+def _cut(prog: _Program, state: list[Any], arrays: list[Any], new_def: Any,
+         keys: list[str]) -> per_leaf.LeafStages:
+  """The ``LeafStages`` of a labelled program."""
+  n = prog.n
+  stats, mine, finals, plans = prog.stats, prog.mine, prog.finals, prog.plans
+  new_outs = prog.outs[n:]
+  state_pos = {v: j for j, v in enumerate(prog.state)}
+  cuts = [sorted({state_pos[v] for plan in plans for v in plan[i][1]
+                  if v in state_pos}) for i in range(n)]
+
+  def env_of(i, g, cut, x, extra):
+    env = {prog.grads[i]: g}
+    if prog.params[i] is not None:
+      env[prog.params[i]] = x
+    env.update(zip((prog.state[j] for j in cuts[i]), cut.values))
+    env.update(zip(prog.extra, jax.tree.leaves(
+        [extra[k] for k in keys] if extra else [])))
+    return env
+
+  def with_shared(env, shared):
+    env.update((v, x) for v, x in zip(prog.globals, shared) if x is not None)
+    return env
+
+  def row(k, targets, g, cut, x, shared, extra):
+    env = with_shared(env_of(cut.index, g, cut, x, extra), shared)
+    prog.run(plans[k][cut.index][0], env)
+    return [prog.read(env, v) for v in targets[cut.index]]
+
+  def outer_env(shared):
+    env = dict(zip(prog.state, state))
+    env.update(zip(prog.extra, arrays))
+    return with_shared(env, shared)
+
+  def round_of(k):
+    def statistic(g, cut, x, shared, **extra):
+      return tuple(row(k, stats[k], g, cut, x, shared, extra)), cut
+
+    def combine(per_row, shared):
+      env = outer_env(shared)
+      for i, values in enumerate(per_row):
+        env.update(zip(stats[k][i], values))
+      level = [v for v in prog.globals if prog.levels[v] == k + 1]
+      prog.run(prog.slice(level, set(env))[0], env)
+      return tuple(env.get(v, s) for v, s in zip(prog.globals, shared))
+
+    return per_leaf.Round(statistic, combine, reduce=list)
+
+  def update(g, cut, x, shared, **extra):
+    u, *new = row(prog.passes, finals, g, cut, x, shared, extra)
+    return u, Cut(tuple(new), cut.index)
+
+  def finish(new_cuts, shared):
+    values = [None] * len(new_outs)
+    for i, cut in enumerate(new_cuts):
+      for j, x in zip(mine[i], cut.values):
+        values[j] = x
+    rest = [v for j, v in enumerate(new_outs) if values[j] is None]
+    env = outer_env(shared)
+    prog.run(prog.slice(rest, set(env))[0], env)
+    for j, v in enumerate(new_outs):
+      if values[j] is None:
+        values[j] = prog.read(env, v)
+    return new_def.unflatten(values)
+
+  leaf_states = [Cut(tuple(state[j] for j in cuts[i]), i) for i in range(n)]
+  return per_leaf.LeafStages(
+      leaf_states, (None,) * len(prog.globals),
+      tuple(round_of(k) for k in range(prog.passes)), update, finish)
+
+
+def stages_of(tx: optax.GradientTransformation, updates: Any, state: Any,
+              params: Any, **extra_args: Any
+              ) -> tuple[Optional[per_leaf.LeafStages], str]:
+  """``tx``'s stages for these arguments, or None and the reason.
+
+  Declared stages (a transformation built with
+  ``per_leaf.transformation``), else the stages cut from ``tx``'s own
+  whole-tree update (``stages``).
+
+  Args:
+    tx: a gradient transformation.
+    updates: the gradients (arrays or ``jax.ShapeDtypeStruct`` s).
+    state: ``tx``'s state.
+    params: the params (arrays, abstract, or None).
+    **extra_args: the extra arguments its update will get.
+
+  Returns:
+    ``(stages, "")`` or ``(None, reason)``.
+  """
+  if isinstance(getattr(tx, "update", None), per_leaf.PerLeafUpdate):
+    st = tx.update.stages(updates, state, params, **extra_args)
+  else:
+    st = stages(optax.with_extra_args_support(tx), updates, state, params,
+                **extra_args)
+  return (st, "") if isinstance(st, per_leaf.LeafStages) else (None, st)
+
+
+def _parts(tx: optax.GradientTransformation) -> list[Any]:
+  """The transformations whose programs run in ``tx``'s rows: ``tx``, or
+  for a declared one (``per_leaf.transformation``) its parts' (none for
+  one whose stages are all its own, as Prodigy's estimator)."""
+  update = getattr(tx, "update", None)
+  if isinstance(update, per_leaf.PerLeafUpdate):
+    return [p for part in update.parts for p in _parts(part)]
+  return [tx]
+
+
+def _rows(tx: Any, tree: Any) -> Union[_Program, str]:
+  """``tx``'s labelled program on the abstract params ``tree`` (as
+  gradients and params, with the state ``tx.init`` gives it)."""
+  tx = optax.with_extra_args_support(tx)
+  try:
+    state = jax.eval_shape(tx.init, tree)
+  except Exception as e:  # pylint: disable=broad-except
+    return f"its init could not be traced ({type(e).__name__}: {e})"
+  traced = _trace(tx, tree, state, tree, {})
+  if isinstance(traced, str):
+    return traced
+  prog = traced[0]
+  if prog.passes:
+    v = prog.globals[0]
+    return (f"it sums over the leaves ({prog.eqns[prog.producer[v]].primitive}"
+            " of values of several leaves), and a group's sum is not the "
+            "tree's")
+  return prog
+
+
+def same_rows(tx: optax.GradientTransformation, whole: Any,
+              groups: list[tuple[Any, list[int]]]) -> str:
+  """Why ``tx`` applied to each group of leaves on its own does not give
+  every leaf the update ``tx`` gives it on the whole tree; "" if it does.
+
+  For each part of ``tx`` that is traced (not declared by this package):
+  its program on ``whole`` and on each group must hold no sum over the
+  leaves, and each leaf's row must be the same program (``row_key``) in
+  both. A mask or label computed from the tree, a key split over its
+  leaves, a global norm: each makes the rows differ, or sums.
+
+  Args:
+    tx: the transformation.
+    whole: the whole params tree (abstract: ``jax.ShapeDtypeStruct`` s).
+    groups: each group's params tree (abstract) and the indices of its
+      leaves among ``whole``'s.
+
+  Returns:
+    The reason, naming the part's leaf, or "".
+  """
+  paths = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(whole)[0]]
+  for part in _parts(tx):
+    prog = _rows(part, whole)
+    if isinstance(prog, str):
+      return prog
+    programs = {}  # the blocks of a stack share one group tree
+    for tree, leaves in groups:
+      if id(tree) not in programs:
+        programs[id(tree)] = _rows(part, tree)
+      group = programs[id(tree)]
+      if isinstance(group, str):
+        return f"on the group of leaf {paths[leaves[0]]}: {group}"
+      for j, i in enumerate(leaves):
+        if group.row_key(j) != prog.row_key(i):
+          return (f"its update of leaf {paths[i]} is another program on "
+                  "the leaf's group than on the whole tree (a mask or label "
+                  "computed from the tree, or a random key split over its "
+                  "leaves)")
+  return ""
