@@ -168,3 +168,35 @@ def test_block_axes_come_from_nnx_vmap_metadata():
     blocks = make(nnx.Rngs(0).fork(split=4))
     axes = ok.block_axes_of(nnx.state(blocks, nnx.Param), "layers")
   assert jax.tree.leaves(axes) == [1, 1]  # bias, kernel
+
+
+def _scanned(partition_name, bias_metadata=True):
+  class Block(nn.Module):
+
+    @nn.compact
+    def __call__(self, x, _):
+      bias_init = (nn.with_partitioning(nn.initializers.zeros, ("mlp",))
+                   if bias_metadata else nn.initializers.zeros)
+      dense = nn.Dense(4, kernel_init=nn.with_partitioning(
+          nn.initializers.lecun_normal(), ("embed", "mlp")),
+                       bias_init=bias_init)
+      return dense(x), None
+
+  scan = nn.scan(Block, variable_axes={"params": 0},
+                 split_rngs={"params": True}, length=3,
+                 metadata_params={nn.PARTITION_NAME: partition_name})
+  return scan().init(jax.random.key(0), jnp.ones((2, 4)), None)["params"]
+
+
+def test_block_axes_of_refuses_a_stack_it_cannot_see():
+  # MaxDiffusion's FLUX scans with PARTITION_NAME None: the block axis has
+  # no name, and a stack must never be taken for one tensor.
+  with pytest.raises(ValueError, match="no leaf has an axis named 'layers'"):
+    ok.block_axes_of(_scanned(None), "layers")
+  with pytest.raises(ValueError, match=r"\['Dense_0'\]\['bias'\] has no "
+                     "partitioning metadata but sits beside stacked"):
+    ok.block_axes_of(_scanned("layers", bias_metadata=False), "layers")
+  with pytest.raises(ValueError, match="tree of ints"):
+    ok.block_axes_of(_scanned("layers"), None)
+  assert ok.block_axes_of(_scanned("layers"), "layers") == {
+      "Dense_0": {"kernel": 1, "bias": 1}}

@@ -310,3 +310,21 @@ def test_the_streamed_step_under_fsdp_on_8_devices_matches_one_device(
         # the update by a fraction of the learning rate (1e-3): within 1e-4.
         np.testing.assert_allclose(a[k], c[k], rtol=2e-5, atol=1e-4,
                                    err_msg=k)
+
+
+def test_residual_helpers_refuse_a_streamed_layout_naming_front_buffers():
+  params = {"w": ok.DoubleBuffer(jnp.ones((2, 3), jnp.bfloat16),
+                                 jnp.zeros((2, 3), jnp.bfloat16))}
+  residuals = {"w": ok.DoubleBuffer(jnp.zeros((2, 3), jnp.uint16),
+                                    jnp.zeros((2, 3), jnp.uint16))}
+  plain_p = ok.front_buffers(params)
+  for p, r in ((params, residuals), (plain_p, residuals), (params,
+                                                           ok.front_buffers(
+                                                               residuals))):
+    with pytest.raises(ValueError, match=r"kahan_to_float32: \w+ leaf "
+                       r"\['w'\] is a DoubleBuffer.*front_buffers"):
+      ok.kahan_to_float32(p, r)
+  with pytest.raises(ValueError, match="kahan_apply_updates.*front_buffers"):
+    ok.kahan_apply_updates(params, plain_p, residuals)
+  w32 = ok.kahan_to_float32(plain_p, ok.front_buffers(residuals))
+  np.testing.assert_array_equal(w32["w"], 1.0)

@@ -237,24 +237,38 @@ def block_axes_of(tree: Any, axis_name: str) -> Any:
   ``axis_name`` into the axis names of every weight they stack, at the block
   axis. A leaf's block axes are its leading axes named ``axis_name``.
 
+  A stack this cannot see is refused, never taken as one tensor: no leaf
+  names ``axis_name`` (``nn.scan`` with ``PARTITION_NAME: None``, as
+  MaxDiffusion's FLUX transformer, names the block axis ``None``), or a leaf
+  without metadata sits in the same module as stacked ones (a bias without
+  ``nn.with_partitioning``), so its block axes are unknown.
+
   Args:
     tree: params with their metadata: linen's boxed variables (before
       ``nn.meta.unbox``) or an ``nnx.State`` of ``nnx.Variable`` s.
-    axis_name: the scan's partition name (MaxText and MaxDiffusion:
-      ``"layers"``).
+    axis_name: the scan's partition name (MaxText: ``"layers"``).
 
   Returns:
-    A tree of ints, one per array (0 for a leaf without metadata), for
+    A tree of ints, one per array (0 for a leaf outside the stacks), for
     ``per_block``'s ``block_axes``.
 
   Raises:
-    ValueError: if ``axis_name`` names an axis that is not leading, which
-      ``per_block`` cannot unstack.
+    ValueError: if ``axis_name`` is not a string, names an axis that is not
+      leading, names no axis at all, or a leaf's block axes are unknown;
+      each names the leaf and the fix (name the scan's axis, or give
+      ``per_block`` a tree of ints).
   """
+  if not isinstance(axis_name, str):
+    raise ValueError(
+        f"block_axes_of: axis_name must be the scan's partition name (a "
+        f"str), got {axis_name!r}; for a stack whose block axis has no name, "
+        "give per_block its block axes as a tree of ints")
+  is_box = lambda x: _names(x) is not None
+
   def axes(path, x):
     names = _names(x)
     if names is None:
-      return 0
+      return None  # no metadata: decided below
     k = 0
     while k < len(names) and names[k] == axis_name:
       k += 1
@@ -265,6 +279,23 @@ def block_axes_of(tree: Any, axis_name: str) -> Any:
           f"(names {names}); per_block needs leading block axes")
     return k
 
-  return jax.tree_util.tree_map_with_path(
-      axes, tree, is_leaf=lambda x: _names(x) is not None)
-
+  found = jax.tree_util.tree_map_with_path(axes, tree, is_leaf=is_box)
+  flat = jax.tree_util.tree_flatten_with_path(
+      found, is_leaf=lambda x: x is None)[0]
+  if not any(k for _, k in flat):
+    raise ValueError(
+        f"block_axes_of: no leaf has an axis named {axis_name!r}. An nn.scan "
+        "with metadata_params={nn.PARTITION_NAME: None} (MaxDiffusion) leaves "
+        f"its block axis unnamed: scan with {{nn.PARTITION_NAME: "
+        f"{axis_name!r}}}, or give per_block the block axes as a tree of "
+        "ints")
+  stacked = {path[:-1] for path, k in flat if k}
+  for path, k in flat:
+    if k is None and path[:-1] in stacked:
+      raise ValueError(
+          f"block_axes_of: leaf {jax.tree_util.keystr(path)} has no "
+          "partitioning metadata but sits beside stacked leaves, so its "
+          "block axes are unknown: annotate it (nn.with_partitioning) or "
+          "give per_block the block axes as a tree of ints")
+  return jax.tree.map(lambda k: k or 0, found,
+                      is_leaf=lambda x: x is None)
