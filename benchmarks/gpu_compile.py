@@ -277,9 +277,18 @@ def report_of(compiled, n: int, target: str, largest: int) -> dict[str, Any]:
 
 
 # -- the steps ----------------------------------------------------------------
+def decay_mask(params: Any) -> Any:
+  """No weight decay on biases and norm scales, by the leaf's key."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: not str(path[-1].key).endswith(("bias", "scale")),
+      params)
+
+
 def optimizers() -> dict[str, Callable[[], optax.GradientTransformation]]:
   return {
       "optax.adamw": lambda: optax.adamw(1e-5),
+      "optax.adamw(mask=decay_mask)": lambda: optax.adamw(
+          1e-5, weight_decay=0.1, mask=decay_mask),
       "optax.adafactor": lambda: optax.adafactor(1e-5),
       "optax.lion": lambda: optax.lion(1e-6),
       "chain(clip_by_global_norm, optax.adamw)": lambda: ok.chain(
@@ -295,13 +304,13 @@ def optimizers() -> dict[str, Callable[[], optax.GradientTransformation]]:
 def configurations(quick: bool = False) -> dict[str, Callable]:
   """Each optimizer plain, in kahan and in kahan on device.
 
-  ``quick``: only the optax.adamw, clip-chain (both ways) and
-  prodigy_factored() families.
+  ``quick``: only the optax.adamw (and with a decay mask), clip-chain (both
+  ways) and prodigy_factored() families.
   """
   out = {}
   for name, make in optimizers().items():
     if quick and name not in (
-        "optax.adamw", "prodigy_factored()",
+        "optax.adamw", "optax.adamw(mask=decay_mask)", "prodigy_factored()",
         "chain(clip_by_global_norm, optax.adamw)",
         "optax.chain(optax.clip_by_global_norm, optax.adamw)"):
       continue

@@ -650,7 +650,7 @@ def master_weights(tx: optax.GradientTransformation
         stat, inner = rnd.statistic(g.astype(_F32), s[1], s[0], shared,
                                     **extra)
         return stat, (s[0], inner)
-      return ok.Round(statistic, rnd.combine)
+      return rnd._replace(statistic=statistic)
 
     treedef = jax.tree.structure(grads)
     return ok.LeafStages(

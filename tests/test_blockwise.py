@@ -393,3 +393,16 @@ def test_blockwise_is_within_the_readmes_bound_of_the_ordinary_step(name):
   m = blockwise_bounds.measure("two_stack", name, 50)
   assert m["relative"] <= blockwise_bounds.BOUND, m
   assert m["last_loss"] < 0.8 * m["first_loss"], m  # it trains
+
+
+def test_a_list_of_blocks_is_not_a_stack():
+  blocks = [{"w": jnp.ones((4, 4))} for _ in range(3)]
+  params = ok.BlockwiseParams({"w": jnp.ones(4)}, (blocks,), {"w": jnp.eye(4)})
+  with pytest.raises(TypeError, match=r"params.stacks\[0\] is a list of 3 "
+                     "entries.*jnp.stack"):
+    ok.blockwise_init(optax.adamw(1e-3), params)
+  ragged = ok.BlockwiseParams({"w": jnp.ones(4)}, (
+      {"a": jnp.ones((3, 4)), "b": jnp.ones((2, 4))},), {"w": jnp.eye(4)})
+  with pytest.raises(ValueError, match=r"leaf \['b'\] has shape \[2, 4\], "
+                     r"the first leaf \['a'\] \[3, 4\]"):
+    ok.blockwise_init(optax.adamw(1e-3), ragged)

@@ -20,6 +20,7 @@ that each case compiles in well under a second.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 
@@ -153,14 +154,19 @@ def assert_dtypes(params, like):
 def test_jit_donation_one_compile_three_steps(name, kind):
   tx = make(name)
   params = params_of(kind, committed=name in KAHAN)
-  state = tx.init(params)
+  # kahan on float32 params compensates nothing, and says so.
+  nothing = kind == "float32" and name in KAHAN
+  with (pytest.warns(ok.OptaxKahanWarning, match="nothing to compensate")
+        if nothing else contextlib.nullcontext()):
+    state = tx.init(params)
+    init = tx.init(params_of(kind))
   step = jax.jit(step_fn(tx), donate_argnums=(0, 1))
   p = params
   for _ in range(3):
     p, state = step(p, state)
   assert step._cache_size() == 1, "the step compiled more than once"
   assert_dtypes(p, params_of(kind))
-  before = exact(params_of(kind), tx.init(params_of(kind)), name)
+  before = exact(params_of(kind), init, name)
   after = exact(p, state, name)
   assert not np.array_equal(before["kernel"], after["kernel"])
 

@@ -419,3 +419,19 @@ def test_params_container_change_is_named_in_one_line():
   message = str(info.value)
   assert "FrozenDict" in message and "dict" in message, message
   assert "<root>" in message and len(message) < 300, message
+
+
+def test_a_grads_tree_that_differs_is_named_as_the_grads():
+  params = {"enc": {"w": jnp.ones(3, jnp.bfloat16)}}
+  tx = ok.kahan(optax.adam(1e-3), offload=False)
+  with pytest.raises(ValueError, match=r"the updates \(grads\) do not match "
+                     r"the params' tree: at \['enc'\]: params has a dict with "
+                     r"\['w'\], the updates \(grads\) has a dict with \['W'\]"):
+    tx.update({"enc": {"W": jnp.ones(3)}}, tx.init(params), params)
+
+
+def test_kahan_on_float32_params_warns_that_it_compensates_nothing():
+  params = {"w": jnp.ones((2, 2), jnp.float32)}
+  with pytest.warns(ok.OptaxKahanWarning, match="none of the params' 1 leaves "
+                    "is bfloat16.*param_dtype=jnp.bfloat16"):
+    ok.kahan(optax.adam(1e-3), offload=False).init(params)

@@ -192,8 +192,10 @@ def test_stream_blocks_names_a_count_that_does_not_fit():
   with pytest.raises(ValueError, match=r"num_streamed\[1\] = 3, but stack 1 "
                      "has 2 blocks"):
     ok.stream_blocks(MODEL, params, state, (0, 3))
-  with pytest.raises(ValueError, match="num_streamed has 1 entries"):
-    ok.stream_blocks(MODEL, params, state, (1,))
+  for wrong in ((1,), 3, (1.0, 0)):
+    with pytest.raises(ValueError, match=r"num_streamed must be a tuple of 2 "
+                       r"ints, one per stack \(blocks per stack: \(\d+, 2\)\)"):
+      ok.stream_blocks(MODEL, params, state, wrong)
   model, params, state = ok.stream_blocks(MODEL, params, state, (1, 0))
   # streaming twice would nest the spares; initializing on spares would
   # give the state of both buffers

@@ -154,9 +154,11 @@ def prodigy(
       bias_correction=(b1, b2) if use_bias_correction else None,
       lagged_d=lagged_d,
       state_dtype=state_dtype)
+  # Row by row (leafwise): the step's scratch is a leaf's, bare or in kahan.
   if decouple:
-    return estimator
-  return leafwise.chain(optax.add_decayed_weights(weight_decay), estimator)
+    return leafwise.leafwise(estimator)
+  return leafwise.leafwise(leafwise.chain(
+      optax.add_decayed_weights(weight_decay), estimator))
 
 
 # prodigy_factored's defaults where they differ from prodigy's.
@@ -258,5 +260,6 @@ def stable_adamw(
   validation.warn_low_precision_hyperparams(
       "stable_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay)
-  return leafwise.chain(scale_by_stable_adamw(b1, b2, eps, weight_decay),
-                        optax.scale_by_learning_rate(learning_rate))
+  return leafwise.leafwise(leafwise.chain(
+      scale_by_stable_adamw(b1, b2, eps, weight_decay),
+      optax.scale_by_learning_rate(learning_rate)))

@@ -158,17 +158,24 @@ def _check_stacks(params: Any) -> None:
           "jitted call (its buffer is deleted): pass the arrays that call "
           "returned")
   for s, stack in enumerate(params.stacks):
+    if isinstance(stack, (list, tuple)):
+      raise TypeError(
+          f"params.stacks[{s}] is a {type(stack).__name__} of "
+          f"{len(stack)} entries; a stack is one tree whose leaves carry the "
+          "blocks on a leading axis: jax.tree.map(lambda *b: jnp.stack(b), "
+          "*blocks)")
     flat = jax.tree_util.tree_flatten_with_path(stack)[0]
     if not flat:
       raise ValueError(f"params.stacks[{s}] has no arrays")
-    first = jnp.shape(flat[0][1])
+    first_path, first = flat[0][0], jnp.shape(flat[0][1])
     for path, x in flat:
       shape = jnp.shape(x)
       if not shape or not first or shape[0] != first[0]:
         raise ValueError(
             f"params.stacks[{s}]: every leaf needs the same leading (block) "
             f"axis; leaf {jax.tree_util.keystr(path)} has shape "
-            f"{list(shape)}, the first leaf {list(first)}")
+            f"{list(shape)}, the first leaf "
+            f"{jax.tree_util.keystr(first_path)} {list(first)}")
 
 
 def _split_module(module: nnx.Module, what: str
@@ -444,11 +451,19 @@ def stream_blocks(
   _check_params(model, params)
   _check_not_doubled((params, state), "stream_blocks",
                      "join the stacks first (join_stacks)")
-  if len(num_streamed) != len(params.stacks) or len(state.stacks) != len(
-      params.stacks):
+  counts = [num_blocks(stack) for stack in params.stacks]
+  if (not isinstance(num_streamed, (tuple, list))
+      or len(num_streamed) != len(counts)
+      or not all(isinstance(k, int) for k in num_streamed)):
     raise ValueError(
-        f"stream_blocks: num_streamed has {len(num_streamed)} entries and "
-        f"state {len(state.stacks)} stacks, for {len(params.stacks)} stacks")
+        f"stream_blocks: num_streamed must be a tuple of {len(counts)} ints, "
+        f"one per stack (blocks per stack: {tuple(counts)}): how many of each "
+        f"stack's last blocks to stream, e.g. {tuple(counts)} for all of "
+        f"them; got {num_streamed!r}")
+  if len(state.stacks) != len(counts):
+    raise ValueError(
+        f"stream_blocks: state has {len(state.stacks)} stacks and params "
+        f"{len(counts)}: give the state blockwise_init made for these params")
   blocks, transitions, stacks, states = [], [], [], []
   for s, (k, stack, stack_state) in enumerate(
       zip(num_streamed, params.stacks, state.stacks)):

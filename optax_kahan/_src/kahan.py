@@ -351,6 +351,15 @@ def kahan(
   def init_fn(params, residuals=None):
     if validation.is_abstract(params):
       return jax.eval_shape(init_fn, params, residuals)
+    leaves = jax.tree.leaves(params)
+    if leaves and all(jnp.result_type(p) in (jnp.float32, jnp.float64)
+                      for p in leaves):
+      validation.warn(
+          f"kahan: none of the params' {len(leaves)} leaves is bfloat16, so "
+          "there is nothing to compensate and this is plain "
+          f"{jnp.result_type(leaves[0])} training; for bf16 weights with "
+          "exact updates, make the params bfloat16 (Flax: "
+          "param_dtype=jnp.bfloat16)", stacklevel=2)
     if residuals is None:
       residuals = kahan_init(params, rounding=rounding, offload=offload)
       state = KahanState(residuals, inner.init(upcast(params)))
@@ -377,6 +386,7 @@ def _checked(updates: Any, state: KahanState, params: Any, offload: bool):
                      "tx.update(grads, state, params)")
   validation.check_state("kahan(...)", state, KahanState)
   _check_memory(params, _check_residuals(params, state.residuals), offload)
+  leaves_like(params, updates, "the updates (grads)")
   full = leaves_like(updates, state.residuals, "residuals")  # None grads too
   grads = jax.tree.structure(updates, is_leaf=is_none).flatten_up_to(updates)
   lows = [lo for g, lo in zip(grads, full) if g is not None]
