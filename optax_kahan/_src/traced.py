@@ -33,6 +33,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -61,6 +62,9 @@ class Cut:
   arrays its rows read (before the update) or write (after it)."""
   values: tuple[Any, ...]
   index: int
+
+
+_DROP = getattr(jex.core, "DropVar", ())  # an output nobody reads
 
 
 def _is_literal(v: Any) -> bool:
@@ -158,7 +162,7 @@ class _Program:
         level[v] = lvl
       if shared:
         self.globals.extend(v for v in eqn.outvars
-                            if not isinstance(v, jex.core.DropVar))
+                            if not isinstance(v, _DROP))
         is_global.update(eqn.outvars)
     self.labels, self.levels = label, level
     self.passes = max([level[v] for v in self.globals], default=0)
@@ -220,11 +224,13 @@ class _Program:
       args = [self.read(env, v) for v in eqn.invars]
       bound = eqn.primitive.get_bind_params(eqn.params)
       subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-      with eqn.ctx.manager:  # the context it was traced in (compute type)
+      # The context it was traced in (compute type, random-bits mode).
+      context = getattr(getattr(eqn, "ctx", None), "manager", None)
+      with context or contextlib.nullcontext():
         out = eqn.primitive.bind(*subfuns, *args, **params)
       out = out if eqn.primitive.multiple_results else [out]
       env.update((v, x) for v, x in zip(eqn.outvars, out)
-                 if not isinstance(v, jex.core.DropVar))
+                 if not isinstance(v, _DROP))
 
   def row_key(self, i: int) -> str:
     """Leaf ``i``'s last-pass row as text: its equations (primitive,
