@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import re
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.extend as jex
@@ -82,8 +82,12 @@ def _abstract(x: Any) -> Any:
 
 
 def _value_text(x: Any) -> str:
-  """A constant as text: dtype, shape and every value."""
-  a = np.asarray(x)
+  """A constant as text: dtype, shape and every value (a traced one, which
+  has none yet, by identity)."""
+  try:
+    a = np.asarray(x)
+  except Exception:  # pylint: disable=broad-except
+    return f"<{type(x).__name__} {id(x)}>"
   return f"{a.dtype}{list(a.shape)}{a.tobytes().hex()}"
 
 
@@ -106,15 +110,52 @@ def _size(v: Any) -> int:
   return size
 
 
+class _Eqn(NamedTuple):
+  """An equation of the program, its operands renamed where it was inlined."""
+  primitive: Any
+  params: dict[str, Any]
+  invars: list[Any]
+  outvars: list[Any]
+  effects: Any
+  ctx: Any
+
+
+class _Inner:
+  """A value of an inlined call's body: one per call and inner variable."""
+  __slots__ = ("aval",)
+
+  def __init__(self, aval: Any):
+    self.aval = aval
+
+
+def _call_body(eqn: Any) -> Optional[tuple[Any, list[Any]]]:
+  """The body of a call: an equation whose one inner program takes its
+  operands and gives its results, type for type (a ``jit`` of a function
+  over the tree); None for anything else (a ``cond``'s branches, a
+  ``scan``'s sliced body)."""
+  bodies = [v for v in eqn.params.values()
+            if isinstance(v, (jex.core.Jaxpr, jex.core.ClosedJaxpr))]
+  if len(bodies) != 1:
+    return None
+  body = bodies[0]
+  jaxpr, consts = ((body.jaxpr, list(body.consts))
+                   if isinstance(body, jex.core.ClosedJaxpr) else (body, []))
+  types = lambda vs: [(tuple(v.aval.shape), v.aval.dtype) for v in vs]
+  if (len(jaxpr.constvars) != len(consts)
+      or types(jaxpr.invars) != types(eqn.invars)
+      or types(jaxpr.outvars) != types(eqn.outvars)):
+    return None
+  return jaxpr, consts
+
+
 class _Program:
   """A traced update and its cut: labels, levels, and each row's equations."""
 
   def __init__(self, closed: Any, n: int, state_paths: list[str],
                has_params: bool, paths: list[str]):
-    jaxpr = closed.jaxpr
-    self.eqns = jaxpr.eqns
+    self.jaxpr = closed.jaxpr
     self.n = n
-    invars = list(jaxpr.invars)
+    invars = list(self.jaxpr.invars)
     self.grads = invars[:n]
     num_state = len(state_paths)
     self.state = invars[n:n + num_state]
@@ -122,27 +163,57 @@ class _Program:
     rest = invars[n + num_state:]
     self.params = rest[:n] if has_params else [None] * n
     self.extra = rest[n:] if has_params else rest
-    self.consts = dict(zip(jaxpr.constvars, closed.consts))
-    self.outs = list(jaxpr.outvars)
+    self.consts = dict(zip(self.jaxpr.constvars, closed.consts))
     self.paths = paths
-    self.producer = {v: e for e, eqn in enumerate(self.eqns)
-                     for v in eqn.outvars}
 
   def label(self) -> str:
-    """Labels every value and checks the cut; the reason it fails or ""."""
+    """Labels every value and checks the cut; the reason it fails or "".
+
+    A call whose operands come from two leaves (optax's ``jit`` of a
+    function over the tree) is inlined: its body's equations take its place,
+    so that each leaf's part of it can go into that leaf's row."""
     label = {}
     for i in range(self.n):
       label[self.grads[i]] = frozenset([i])
       if self.params[i] is not None:
         label[self.params[i]] = frozenset([i])
     level = {}
-    self.globals, is_global = [], set()
+    self.eqns, self.globals, is_global = [], [], set()
     read = lambda v: (frozenset() if _is_literal(v)
                       else label.get(v, frozenset()))
-    for eqn in self.eqns:
-      if eqn.effects:
-        return f"its update has effects ({eqn.primitive})"
-      ins = frozenset().union(*(read(v) for v in eqn.invars))
+
+    def visit(eqns, names, top):
+      for eqn in eqns:
+        get = lambda v: v if _is_literal(v) else names.get(v, v)
+        invars = [get(v) for v in eqn.invars]
+        if eqn.effects:
+          return f"its update has effects ({eqn.primitive})"
+        ins = frozenset().union(*(read(v) for v in invars))
+        body = _call_body(eqn) if len(ins) > 1 else None
+        if body is not None:
+          jaxpr, consts = body
+          inner = dict(zip(jaxpr.invars, invars))
+          for var, c in zip(jaxpr.constvars, consts):
+            inner[var] = _Inner(var.aval)
+            self.consts[inner[var]] = c
+          reason = visit(jaxpr.eqns, inner, False)
+          if reason:
+            return reason
+          for v, w in zip(eqn.outvars, jaxpr.outvars):
+            names[v] = w if _is_literal(w) else inner.get(w, w)
+          continue
+        outvars = []
+        for v in eqn.outvars:
+          if not top and not isinstance(v, _DROP):
+            names[v] = _Inner(v.aval)
+          outvars.append(names.get(v, v))
+        reason = one(_Eqn(eqn.primitive, eqn.params, invars, outvars,
+                          eqn.effects, getattr(eqn, "ctx", None)), ins)
+        if reason:
+          return reason
+      return ""
+
+    def one(eqn, ins):
       # Two leaves meet (a sum), or a small value carries a shared one on
       # (the rest of a sum over the leaves, in the program's order).
       shared = len(ins) > 1 or (
@@ -164,6 +235,17 @@ class _Program:
         self.globals.extend(v for v in eqn.outvars
                             if not isinstance(v, _DROP))
         is_global.update(eqn.outvars)
+      self.eqns.append(eqn)
+      return ""
+
+    names = {}
+    reason = visit(self.jaxpr.eqns, names, True)
+    if reason:
+      return reason
+    self.outs = [v if _is_literal(v) else names.get(v, v)
+                 for v in self.jaxpr.outvars]
+    self.producer = {v: e for e, eqn in enumerate(self.eqns)
+                     for v in eqn.outvars}
     self.labels, self.levels = label, level
     self.passes = max([level[v] for v in self.globals], default=0)
     for i, u in enumerate(self.outs[:self.n]):
