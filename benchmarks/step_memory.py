@@ -53,7 +53,9 @@ CONFIGS: dict[str, tuple[Optional[Make], Optional[Make]]] = {
                     lambda: ok.leafwise(optax.adamw(1e-4))),
     "optax.adafactor": (lambda: optax.adafactor(1e-4),
                         lambda: ok.leafwise(optax.adafactor(1e-4))),
-    "optax.contrib.prodigy": (optax.contrib.prodigy, None),
+    "optax.contrib.prodigy": (optax.contrib.prodigy,
+                              lambda: ok.leafwise(optax.contrib.prodigy())),
+    # This package's optimizers run row by row already (leafwise inside).
     "prodigy": (ok.prodigy, lambda: ok.leafwise(ok.prodigy())),
     "prodigy_factored": (ok.prodigy_factored,
                          lambda: ok.leafwise(ok.prodigy_factored())),

@@ -255,10 +255,11 @@ class _Program:
                 f"{self.paths[other[0]]}")
     return ""
 
-  def plan(self) -> None:
+  def plan(self, out_paths: list[str]) -> None:
     """Each pass's targets and equations per leaf: pass ``k < passes``
     computes the per-leaf values that level ``k + 1``'s shared values read;
-    the last one, each leaf's update and its own entries of the new state."""
+    the last one, each leaf's update and its own entries of the new state
+    (``out_paths``: the new state's paths)."""
     n, outs = self.n, self.outs[self.n:]
     own = lambda v: (not _is_literal(v) and len(self.labels.get(v, ())) == 1)
     self.stats = []
@@ -272,6 +273,17 @@ class _Program:
       self.stats.append(per)
     self.mine = [[j for j, v in enumerate(outs)
                   if own(v) and self.labels[v] == {i}] for i in range(n)]
+    # An entry that reads no leaf but sits at a leaf's path in the state (a
+    # moment a leaf does not use, passed through) goes in that leaf's row.
+    shared = set(self.globals)
+    for j, (v, path) in enumerate(zip(outs, out_paths)):
+      if own(v) or _is_literal(v) or v in shared:
+        continue
+      at = [i for i in range(n) if self.paths[i] != "<root>"
+            and path.endswith(self.paths[i])]
+      if at:
+        self.mine[max(at, key=lambda i: len(self.paths[i]))].append(j)
+    self.mine = [sorted(m) for m in self.mine]
     self.finals = [[self.outs[i]] + [outs[j] for j in self.mine[i]]
                    for i in range(n)]
     self.plans = []  # plans[k][i]: (equations, inputs read)
@@ -412,7 +424,8 @@ def _trace(tx: optax.GradientTransformationExtraArgs, updates: Any,
   reason = prog.label()
   if reason:
     return reason
-  prog.plan()
+  prog.plan([jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(new_state)[0]])
   return prog, state_flat, [arrays[k] for k in keys], jax.tree.structure(
       new_state), keys
 
