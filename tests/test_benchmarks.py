@@ -77,7 +77,7 @@ def test_step_memory_quick_bounds_every_leafwise_step():
       assert results["time_ratio_leafwise_over_default"][name] > 0
   # A whole-tree program keeps every leaf's temporaries; its rows do not.
   contrib = r["temp_B_per_param"]["optax.contrib.prodigy"]
-  assert contrib["default"] > 4 and contrib["leafwise"] < 1, contrib
+  assert contrib["default"] > 4 * contrib["leafwise"] > 0, contrib
   assert "leaf-by-leaf step time" in (
       report.RESULTS / "step_memory_quick.md").read_text()
 

@@ -168,7 +168,7 @@ def test_block_axes_come_from_nnx_vmap_metadata():
   with jax.set_mesh(mesh):
     make = nnx.vmap(Block, in_axes=0, out_axes=0,
                     transform_metadata={nnx.PARTITION_NAME: "layers"})
-    blocks = make(nnx.Rngs(0).fork(split=4))
+    blocks = make(nnx.Rngs(0).split(4))
     axes = ok.block_axes_of(nnx.state(blocks, nnx.Param), "layers")
   assert jax.tree.leaves(axes) == [1, 1]  # bias, kernel
 

@@ -20,12 +20,16 @@ output, computed by the same equations; XLA compiles the rows as it compiles
 any program, so against a separately compiled whole-tree program a row can
 differ in the last bit where XLA fuses differently.
 
-Nothing is recognised: an equation is followed only through its inputs and
-outputs (one with inner jaxprs is one unit whose outputs read all its
-inputs), whatever its primitive. What cannot be cut is refused with the
-reason: an equation with effects, a value of many elements shared by two
-leaves (optax's ``apply_if_finite`` and ``MultiSteps`` select the whole tree
-with one ``lax.cond``), an update of one leaf that reads another.
+Nothing is recognised by name: an equation is followed through its inputs
+and outputs. One with an inner program is a unit whose outputs read all its
+inputs, except a call whose operands come from two leaves (a ``jit`` of a
+function over the tree: its one inner program takes its operands and gives
+its results, type for type), which is inlined. A state entry that reads no
+leaf goes in the row of the leaf at whose path it sits (a moment that leaf
+does not use, passed through), or else is computed once after the rows.
+What cannot be cut is refused with the reason: an equation with effects, or
+two leaves meeting in a value of more than ``MAX_SHARED`` elements (a
+``lax.cond`` choosing a large leaf by another leaf's sum).
 
 References:
   JAX, "Understanding Jaxprs" and "Writing custom Jaxpr interpreters".
@@ -72,12 +76,10 @@ def _is_literal(v: Any) -> bool:
 
 
 def _abstract(x: Any) -> Any:
-  if isinstance(x, (jax.Array, jax.core.Tracer, jax.ShapeDtypeStruct)):
+  """An array as a ``jax.ShapeDtypeStruct`` (weak type kept); else as is."""
+  if isinstance(x, (jax.Array, jax.core.Tracer)):
     return jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                weak_type=getattr(jax.typeof(x), "weak_type",
-                                                  False)
-                                if not isinstance(x, jax.ShapeDtypeStruct)
-                                else x.weak_type)
+                                weak_type=jax.typeof(x).weak_type)
   return x
 
 
