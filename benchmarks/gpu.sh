@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmarks, in one go (under 5 minutes on one H100/H200-class GPU):
+# The GPU checks and benchmarks, in one go (about 8 minutes on one H200):
 #   1. the optimizer-step speed ratios (benchmarks/speed.py, 46M params);
 #   2. a full training step of the example's UNet (58M params): Kahan with host
 #      offload against plain bf16, step-time ratio, device/host bytes from
@@ -16,6 +16,10 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # so that peak_bytes_in_use is ours
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+# 0. exactness on this GPU first: kahan's teacher-forced corpus and its own
+#    tests (on the 2026-12-04 H200 run every kahan case lost its residuals)
+timeout 240 python3 -m pytest -p no:cacheprovider -o addopts="" -q -m "not slow" \
+  tests/test_same_answer.py tests/test_kahan.py -k kahan 2>&1 | tail -25 || true
 python3 -m benchmarks.speed --reps 30
 python3 -m benchmarks.gpu_step --width 384 --batch 256 --reps 30
 if [ -f benchmarks/step_memory.py ]; then python3 -m benchmarks.step_memory; fi

@@ -1,6 +1,5 @@
 """The per-leaf contract: rows, their two lowerings, chains, refusals, scratch."""
 
-import functools
 import warnings
 
 import jax

@@ -25,7 +25,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import chex
 import jax
