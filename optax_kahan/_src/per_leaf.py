@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import optax
 
 
-
 class Round(NamedTuple):
   """Stages 1 and 2: ``statistic(g_i, s_i, x_i, shared, **extra_args) ->
   (stat_i, s_i)`` (arrays, and the leaf's state, which a round may update,
