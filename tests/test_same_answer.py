@@ -272,15 +272,10 @@ def _unstacked(params):
       params.head)
 
 
-def _blockwise_mask(params):
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: path[-1].key not in ("bias", "scale"), params)
-
-
 BLOCKWISE = {
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
     "adamw(mask by leaf name)": lambda: optax.adamw(
-        1e-2, weight_decay=0.5, mask=_blockwise_mask),
+        1e-2, weight_decay=0.5, mask=decay_mask),
     "lion": lambda: optax.lion(1e-3),
     "adafactor": lambda: optax.adafactor(1e-2),
     "kahan(adamw)": lambda: ok.kahan(optax.adamw(1e-2), offload=False),
