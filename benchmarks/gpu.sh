@@ -20,6 +20,8 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 #    tests (on the 2026-12-04 H200 run every kahan case lost its residuals)
 timeout 240 python3 -m pytest -p no:cacheprovider -o addopts="" -q -m "not slow" \
   tests/test_same_answer.py tests/test_kahan.py -k kahan 2>&1 | tail -25 || true
+# where this backend's kahan step departs from the CPU's, part by part
+python3 -m benchmarks.exactness --hlo-dir benchmarks/results/exactness_hlo || true
 python3 -m benchmarks.speed --reps 30
 python3 -m benchmarks.gpu_step --width 384 --batch 256 --reps 30
 if [ -f benchmarks/step_memory.py ]; then python3 -m benchmarks.step_memory; fi

@@ -119,3 +119,13 @@ def test_stream_gpu_tiny_runs_every_setup_on_cpu():
   # the same training within float32 rounding
   losses = [row["loss"] for row in r["rows"]]
   np.testing.assert_allclose(losses, losses[0], rtol=1e-4)
+
+
+def test_exactness_compares_every_part(capsys):
+  from benchmarks import exactness
+  exactness.main([])
+  lines = capsys.readouterr().out.splitlines()[1:]
+  assert len(lines) == 2 * len(exactness.PROGRAMS)
+  for line in lines:  # the CPU against itself: nothing differs
+    assert "DIFFERS" not in line and line.count(" same") == 6, line
+    assert float(line.split("vs optax ")[1].split()[0]) <= 4, line
