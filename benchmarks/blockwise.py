@@ -17,7 +17,7 @@ Steps:
 * ordinary: ``jax.value_and_grad(blockwise_loss)`` (a ``lax.scan`` per stack,
   ``jax.checkpoint`` per block), ``tx.update`` on the whole tree,
   ``optax.apply_updates``;
-* blockwise: ``optax_kahan.blockwise_step``, each block's update inside the
+* blockwise: ``optax_kahan.blockwise.blockwise_step``, each block's update inside the
   backward loop.
 
 Optimizers: ``optax.adamw`` on float32 master weights (the forward pass casts

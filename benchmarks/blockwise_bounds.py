@@ -85,11 +85,11 @@ def _head(p, h, vec, b):
   return jnp.mean(jnp.square(out - b["y"]))
 
 
-def two_stack() -> tuple[ok.BlockwiseModel, ok.BlockwiseParams,
+def two_stack() -> tuple[ok.blockwise.BlockwiseModel, ok.blockwise.BlockwiseParams,
                          Callable[[int], Any]]:
   ks = iter(jax.random.split(jax.random.key(0), 16))
   n = lambda *s: 0.3 * jax.random.normal(next(ks), s)
-  params = ok.BlockwiseParams(
+  params = ok.blockwise.BlockwiseParams(
       embed={"w": n(8, W), "b": n(W), "t": n(W)},
       stacks=({"norm": 1 + n(3, W), "w1": n(3, W, W), "b1": n(3, W),
                "mod": n(3, W, W), "w2": n(3, W, W), "b2": n(3, W)},
@@ -103,11 +103,11 @@ def two_stack() -> tuple[ok.BlockwiseModel, ok.BlockwiseParams,
             "t": jax.random.uniform(k[1], (2,)),
             "y": jax.random.normal(k[2], (2, 5, 8))}
 
-  return (ok.BlockwiseModel(_embed, (_attn_block, _mlp_block), _head),
+  return (ok.blockwise.BlockwiseModel(_embed, (_attn_block, _mlp_block), _head),
           params, batch)
 
 
-def linen_flux() -> tuple[ok.BlockwiseModel, ok.BlockwiseParams,
+def linen_flux() -> tuple[ok.blockwise.BlockwiseModel, ok.blockwise.BlockwiseParams,
                           Callable[[int], Any]]:
   cfg = flux_linen.Config()
   batch = lambda step: flux_linen.random_batch(jax.random.key(step + 1), cfg)
@@ -122,24 +122,24 @@ MODELS = {"two_stack": two_stack, "flux_linen": linen_flux}
 GROUPS = ("embed", "stacks", "head")
 
 
-def unstack(params: ok.BlockwiseParams) -> dict:
+def unstack(params: ok.blockwise.BlockwiseParams) -> dict:
   """The blocks' weights as leaves of their own."""
   return {"embed": params.embed, "head": params.head,
           "stacks": [[jax.tree.map(lambda x: x[i], stack)
-                      for i in range(ok.num_blocks(stack))]
+                      for i in range(ok.blockwise.num_blocks(stack))]
                      for stack in params.stacks]}
 
 
-def restack(tree: dict) -> ok.BlockwiseParams:
-  return ok.BlockwiseParams(
+def restack(tree: dict) -> ok.blockwise.BlockwiseParams:
+  return ok.blockwise.BlockwiseParams(
       tree["embed"],
       tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
             for blocks in tree["stacks"]),
       tree["head"])
 
 
-def to_blockwise_state(state: Any, template: ok.BlockwiseState,
-                       params: ok.BlockwiseParams) -> ok.BlockwiseState:
+def to_blockwise_state(state: Any, template: ok.blockwise.BlockwiseState,
+                       params: ok.blockwise.BlockwiseParams) -> ok.blockwise.BlockwiseState:
   """The unstacked tree's state in the blockwise layout (``template``'s),
   its scalars copied to each group. Both states are one ``tx``'s, so their
   leaves come in the same order once the params-shaped subtrees are taken
@@ -156,7 +156,7 @@ def to_blockwise_state(state: Any, template: ok.BlockwiseState,
                               jnp.broadcast_to(o, jnp.shape(g))
                               for g, o in zip(leaves, items)])
 
-  return ok.BlockwiseState(
+  return ok.blockwise.BlockwiseState(
       embed=fill(template.embed, params.embed, lambda o: o["embed"]),
       stacks=tuple(
           fill(st, jax.tree.map(lambda x: x[0], sp),
@@ -166,11 +166,11 @@ def to_blockwise_state(state: Any, template: ok.BlockwiseState,
       head=fill(template.head, params.head, lambda o: o["head"]))
 
 
-def ordinary_step(model: ok.BlockwiseModel, tx: Any, params: Any, state: Any,
+def ordinary_step(model: ok.blockwise.BlockwiseModel, tx: Any, params: Any, state: Any,
                   batch: Any) -> tuple[jax.Array, Any, Any]:
   """``value_and_grad`` of ``blockwise_loss``, then ``tx`` on the blocks'
   weights as leaves of their own (``unstack``)."""
-  loss, grads = jax.value_and_grad(ok.blockwise_loss, argnums=1)(
+  loss, grads = jax.value_and_grad(ok.blockwise.blockwise_loss, argnums=1)(
       model, params, batch)
   p = unstack(params)
   updates, state = tx.update(unstack(grads), state, p)
@@ -197,8 +197,8 @@ def measure(model_name: str, opt_name: str, steps: int) -> dict[str, float]:
                           jax.devices()[0])
   tx = ok.kahan(make()) if in_kahan else make()
   step_or = jax.jit(lambda p, s, b: ordinary_step(model, tx, p, s, b))
-  step_bw = jax.jit(lambda p, s, b: ok.blockwise_step(model, tx, p, s, b))
-  template = ok.blockwise_init(tx, params)
+  step_bw = jax.jit(lambda p, s, b: ok.blockwise.blockwise_step(model, tx, p, s, b))
+  template = ok.blockwise.blockwise_init(tx, params)
   p_ref, s_ref = params, tx.init(unstack(params))
   p_free, s_free = params, template
   ulps, rel, losses = 0.0, 0.0, []

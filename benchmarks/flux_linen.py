@@ -12,7 +12,7 @@ image tokens are joined, and the head splits them again::
     x = scan(SingleBlock)(x, temb=temb)
     loss = Head(x[:, n_txt:], temb, batch)      # the split
 
-``examples/blockwise_linen.py`` adapts it for ``optax_kahan.blockwise_step``
+``examples/blockwise_linen.py`` adapts it for ``optax_kahan.blockwise.blockwise_step``
 (its ``adapt``) and trains it.
 Written here from FLUX's structure (shift/scale modulation from the
 conditioning vector, joint attention over text and image tokens), not

@@ -54,15 +54,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from optax_kahan import BlockwiseModel
-from optax_kahan import BlockwiseParams
-from optax_kahan import nnx_blockwise
+from optax_kahan.blockwise import BlockwiseModel
+from optax_kahan.blockwise import BlockwiseParams
+from optax_kahan.blockwise import nnx_blockwise
 
 Batch = Mapping[str, jax.Array]
 Params = Any  # a pytree of arrays: an ``nnx.State`` here

@@ -291,8 +291,8 @@ def optimizers() -> dict[str, Callable[[], optax.GradientTransformation]]:
           1e-5, weight_decay=0.1, mask=decay_mask),
       "optax.adafactor": lambda: optax.adafactor(1e-5),
       "optax.lion": lambda: optax.lion(1e-6),
-      "chain(clip_by_global_norm, optax.adamw)": lambda: ok.chain(
-          ok.clip_by_global_norm(1.0), optax.adamw(1e-5)),
+      "chain(clip_by_global_norm, optax.adamw)": lambda: ok.per_leaf.chain(
+          ok.per_leaf.clip_by_global_norm(1.0), optax.adamw(1e-5)),
       "optax.chain(optax.clip_by_global_norm, optax.adamw)": lambda:
           optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5)),
       "prodigy()": ok.prodigy,

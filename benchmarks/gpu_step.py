@@ -10,7 +10,7 @@ params and state donated, on the UNet of ``examples/finetune_diffusion.py``
 * ``kahan(adamw)``: bf16 params, float32 state, residuals in ``pinned_host``;
 * ``kahan(prodigy_factored)``: the low-memory configuration;
 * ``kahan(chain(clip_by_global_norm, adamw))``: a chain with a global sum
-  that keeps its per-leaf form (``optax_kahan.chain``);
+  that keeps its per-leaf form (``optax_kahan.per_leaf.chain``);
 * ``float32 master adamw``: classic mixed precision.
 
 Per configuration: the median step time (interleaved, in one process) as a
@@ -80,8 +80,8 @@ def make_step(name: str, width: int, batch: int):
 
   tx = {"bf16 adamw": optax.adamw(1e-5),
         "kahan(adamw)": ok.kahan(optax.adamw(1e-5)),
-        "kahan(chain(clip_by_global_norm, adamw))": ok.kahan(ok.chain(
-            ok.clip_by_global_norm(1.0), optax.adamw(1e-5))),
+        "kahan(chain(clip_by_global_norm, adamw))": ok.kahan(ok.per_leaf.chain(
+            ok.per_leaf.clip_by_global_norm(1.0), optax.adamw(1e-5))),
         "kahan(prodigy_factored)": ok.kahan(ok.prodigy_factored())}[name]
   params = ex.to_bf16(params32)
 

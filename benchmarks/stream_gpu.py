@@ -9,7 +9,7 @@ FLUX.1-dev at reduced depth (4 double + 8 single blocks of width 3072,
 weights, in three setups: residuals on the device, residuals in host memory
 (``stream_blocks(..., (0, 0))``: a spare buffer per leaf), and every block
 streamed (``stream_blocks``), each jitted with
-``ok.STREAMING_COMPILER_OPTIONS`` as the README's table. Each setup runs
+``ok.blockwise.STREAMING_COMPILER_OPTIONS`` as the README's table. Each setup runs
 in a process of its own (the device's ``peak_bytes_in_use`` counts from the
 process start): it compiles the step (once per role of the spare
 buffers), reads the compiled peak and the ``benchmarks.timeline`` model of
@@ -52,7 +52,7 @@ def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2) -> dict:
   if tiny:
     cfg = flux_model.FluxConfig.tiny()
     tokens = (64, 16)
-  model = ok.BlockwiseModel(*flux_model.flux_blockwise(nnx.eval_shape(
+  model = ok.blockwise.BlockwiseModel(*flux_model.flux_blockwise(nnx.eval_shape(
       lambda: flux_model.Flux(cfg, rngs=nnx.Rngs(0))))[0])
   abstract = flux_model.abstract_params(cfg, jnp.bfloat16)
   leaves, treedef = jax.tree.flatten(abstract)
@@ -63,17 +63,17 @@ def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2) -> dict:
       for k, x in zip(keys, leaves)])
   tx = ok.kahan(ok.prodigy_factored(lagged_d=True, state_dtype=jnp.bfloat16),
                 offload=setup != "residuals on the device")
-  state = ok.blockwise_init(tx, params)
+  state = ok.blockwise.blockwise_init(tx, params)
   if setup != "residuals on the device":  # spare host buffers
-    model, params, state = ok.stream_blocks(
+    model, params, state = ok.blockwise.stream_blocks(
         model, params, state, (cfg.double_blocks, cfg.single_blocks)
         if setup == "all blocks streamed" else (0, 0))
   spec = flux_model.batch_spec(cfg, 1, *tokens)
   batch = {k: jax.device_put(jnp.ones(v.shape, v.dtype) * 0.1, device)
            for k, v in spec.items()}
-  step = jax.jit(lambda p, s, b: ok.blockwise_step(model, tx, p, s, b),
+  step = jax.jit(lambda p, s, b: ok.blockwise.blockwise_step(model, tx, p, s, b),
                  donate_argnums=(0, 1),
-                 compiler_options=ok.STREAMING_COMPILER_OPTIONS)
+                 compiler_options=ok.blockwise.STREAMING_COMPILER_OPTIONS)
   # one program per role of the spare buffers, each compiled once, ahead
   programs = {}
 

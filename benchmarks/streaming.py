@@ -4,12 +4,12 @@ peak and modeled step time, for an H200, without a GPU.
     pip install -e ".[gpu-aot]"      # jax's CUDA plugin: XLA's GPU compiler
     python -m benchmarks.streaming [--quick] [--target h200]
 
-Nothing runs. Each step is ``optax_kahan.blockwise_step`` of
+Nothing runs. Each step is ``optax_kahan.blockwise.blockwise_step`` of
 ``kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))`` on
 ``benchmarks.flux_model`` at FLUX.1-dev's real dimensions (11.9B params),
 batch 1 (and 2) at 1024x1024, compiled deviceless from abstract arguments
 (``benchmarks.gpu_compile``), params and state donated, with
-``ok.STREAMING_COMPILER_OPTIONS`` (one row without, to show what they do).
+``ok.blockwise.STREAMING_COMPILER_OPTIONS`` (one row without, to show what they do).
 Rows:
 
 * residuals on the device (``kahan(..., offload=False)``): the reference
@@ -89,20 +89,20 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   host = jax.NamedSharding(mesh.abstract_mesh, jax.P(),
                            memory_kind="pinned_host")
   sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
-  model = ok.BlockwiseModel(*flux_model.flux_blockwise(nnx.eval_shape(
+  model = ok.blockwise.BlockwiseModel(*flux_model.flux_blockwise(nnx.eval_shape(
       lambda: flux_model.Flux(cfg, rngs=nnx.Rngs(0))))[0])
   params = jax.tree.map(sds, flux_model.abstract_params(cfg, jnp.bfloat16))
   tx = make_tx(offload)
   state = blockwise_bench._state(tx, params, True, device,
                                  host if offload else device)
   if streamed is not None:
-    model, params, state = ok.stream_blocks(model, params, state, streamed,
+    model, params, state = ok.blockwise.stream_blocks(model, params, state, streamed,
                                             spare_buffers=spare)
   b = jax.tree.map(sds, flux_model.batch_spec(cfg, batch, 4096, 512))
   t0 = time.perf_counter()
   compiled = gpu_compile.compile_step(
-      lambda p, s, x: ok.blockwise_step(model, tx, p, s, x), (params, state, b),
-      mesh, compiler_options=ok.STREAMING_COMPILER_OPTIONS if options else None)
+      lambda p, s, x: ok.blockwise.blockwise_step(model, tx, p, s, x), (params, state, b),
+      mesh, compiler_options=ok.blockwise.STREAMING_COMPILER_OPTIONS if options else None)
   m = compiled.memory_analysis()
   peak = (m.argument_size_in_bytes + m.output_size_in_bytes
           - m.alias_size_in_bytes + m.temp_size_in_bytes)
@@ -180,7 +180,7 @@ def to_markdown(r: dict) -> str:
       f"{timeline.PCIE / 1e9:.0f} GB/s per direction, other kernels free "
       "(an estimate); ratio to the residuals-on-device step at the same "
       "batch; hidden: the share of each direction's PCIe time that runs "
-      "beside compute. Compiled with `ok.STREAMING_COMPILER_OPTIONS` "
+      "beside compute. Compiled with `ok.blockwise.STREAMING_COMPILER_OPTIONS` "
       f"(`{r['compiler_options']}`) unless the row says otherwise; host GB: "
       "the step's arguments in host memory (with spare buffers, both "
       f"buffers). XLA_FLAGS: `{r.get('xla_flags') or '(none)'}`.", "",
@@ -247,7 +247,7 @@ def main(argv=None) -> dict:
                  f"({n / 1e9:.2f}B params), 4096 + 512 tokens, block remat"),
        "rows": rows}
   r["xla_flags"] = os.environ.get("XLA_FLAGS", "")
-  r["compiler_options"] = ok.STREAMING_COMPILER_OPTIONS
+  r["compiler_options"] = ok.blockwise.STREAMING_COMPILER_OPTIONS
   name = f"streaming_fit{args.fit:g}" if args.fit else "streaming"
   report.save(name + (f"_{args.tag}" if args.tag else ""), to_markdown(r), r,
               args.quick)

@@ -15,17 +15,17 @@ from benchmarks.flux_linen import (Config, DoubleBlock, Embed, Flux, Head,
                                    SingleBlock, random_batch)
 
 
-def adapt(cfg: Config, params: dict) -> tuple[ok.BlockwiseModel,
-                                              ok.BlockwiseParams]:
-  """The linen model's parts and params for ``ok.blockwise_step``."""
-  model = ok.BlockwiseModel(
-      embed=ok.linen_apply(Embed(cfg)),
-      blocks=(ok.linen_apply(DoubleBlock(cfg), lambda m, c, temb: m(c, temb)[0]),
-              ok.linen_apply(SingleBlock(cfg), lambda m, x, temb: m(x, temb)[0])),
-      head=ok.linen_apply(Head(cfg), lambda m, x, temb, b: m(
+def adapt(cfg: Config, params: dict) -> tuple[ok.blockwise.BlockwiseModel,
+                                              ok.blockwise.BlockwiseParams]:
+  """The linen model's parts and params for ``ok.blockwise.blockwise_step``."""
+  model = ok.blockwise.BlockwiseModel(
+      embed=ok.blockwise.linen_apply(Embed(cfg)),
+      blocks=(ok.blockwise.linen_apply(DoubleBlock(cfg), lambda m, c, temb: m(c, temb)[0]),
+              ok.blockwise.linen_apply(SingleBlock(cfg), lambda m, x, temb: m(x, temb)[0])),
+      head=ok.blockwise.linen_apply(Head(cfg), lambda m, x, temb, b: m(
           x[:, b["txt"].shape[1]:], temb, b)),  # the split
       transitions=(lambda carry, temb: jnp.concatenate(carry[::-1], 1),))  # join
-  return model, ok.BlockwiseParams(
+  return model, ok.blockwise.BlockwiseParams(
       params["embed"], (params["double_blocks"], params["single_blocks"]),
       params["head"])
 
@@ -37,8 +37,8 @@ def main(steps: int = 5) -> list[float]:
   model, params = adapt(cfg, jax.device_put(
       jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), jax.devices()[0]))
   tx = ok.kahan(optax.adamw(3e-3))
-  state = ok.blockwise_init(tx, params)
-  step = jax.jit(lambda p, s: ok.blockwise_step(model, tx, p, s, batch),
+  state = ok.blockwise.blockwise_init(tx, params)
+  step = jax.jit(lambda p, s: ok.blockwise.blockwise_step(model, tx, p, s, batch),
                  donate_argnums=(0, 1))
   losses = []
   for i in range(steps):

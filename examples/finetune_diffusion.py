@@ -16,7 +16,7 @@ Outputs go to ``outputs/finetune_diffusion``.) On 2 idle CPU cores the first
 run takes about 2.3 minutes (40% of it pretraining, then cached) and a second
 run about 1.3 minutes; ``--optimizer adafactor|prodigy|prodigy_factored`` swaps
 the polish optimizer. ``--blockwise`` runs the polish through
-``optax_kahan.blockwise_step``: the UNet as an encoder, a stack of one middle
+``optax_kahan.blockwise.blockwise_step``: the UNet as an encoder, a stack of one middle
 block and a decoder, each part updated inside the backward pass (Prodigy with
 ``lagged_d=True``). Every rule steps bf16 weights (the float32 rule's master
 weights are state of ``master_weights``), so all of them take their
@@ -563,20 +563,20 @@ def make_rule(rule: str, tx: optax.GradientTransformation,
   raise ValueError(f"unknown rule {rule!r}; expected one of {RULES}")
 
 
-def to_groups(params: Params) -> ok.BlockwiseParams:
+def to_groups(params: Params) -> ok.blockwise.BlockwiseParams:
   """The UNet's params as encoder, a stack of one middle block, decoder."""
-  return ok.BlockwiseParams(
+  return ok.blockwise.BlockwiseParams(
       embed={k: params[k] for k in ENCODER},
       stacks=(jax.tree.map(lambda x: x[None], params["mid"]),),
       head={k: params[k] for k in DECODER})
 
 
-def from_groups(groups: ok.BlockwiseParams) -> Params:
+def from_groups(groups: ok.blockwise.BlockwiseParams) -> Params:
   return {**groups.embed, **groups.head,
           "mid": jax.tree.map(lambda x: x[0], groups.stacks[0])}
 
 
-def blockwise_model(width: int) -> ok.BlockwiseModel:
+def blockwise_model(width: int) -> ok.blockwise.BlockwiseModel:
   """The UNet's loss as ``encode -> mid -> decode``, each on its own params.
 
   The batch is ``(x_t, t, target)``; the loss is ``flow_matching_loss``'s.
@@ -596,11 +596,11 @@ def blockwise_model(width: int) -> ok.BlockwiseModel:
   def head(p, h, skips, batch):
     return jnp.mean(jnp.square(decode(parts(p), h, skips) - batch[2]))
 
-  return ok.BlockwiseModel(embed, (mid,), head)
+  return ok.blockwise.BlockwiseModel(embed, (mid,), head)
 
 
 class BlockwiseRule(NamedTuple):
-  """An update rule run by ``ok.blockwise_step``: ``step(state, batch) ->
+  """An update rule run by ``ok.blockwise.blockwise_step``: ``step(state, batch) ->
   (loss, state)``, the gradient and the update in one program; the other
   fields as in ``Rule``."""
   init: Callable[[Params], Any]
@@ -634,7 +634,7 @@ def master_weights(tx: optax.GradientTransformation
 
   def stages(grads, state, params, **extra):
     grads = jax.tree.map(lambda g: g.astype(_F32), grads)
-    st, reason = ok.stages_of(tx, grads, state.inner, state.master, **extra)
+    st, reason = ok.per_leaf.stages_of(tx, grads, state.inner, state.master, **extra)
     if st is None:
       raise ValueError(f"master_weights: {reason}")
 
@@ -653,14 +653,14 @@ def master_weights(tx: optax.GradientTransformation
       return rnd._replace(statistic=statistic)
 
     treedef = jax.tree.structure(grads)
-    return ok.LeafStages(
+    return ok.per_leaf.LeafStages(
         list(zip(treedef.flatten_up_to(state.master), st.leaf_states)),
         st.shared, tuple(round_(r) for r in st.rounds), update,
         lambda states, shared: MasterState(
             treedef.unflatten([m for m, _ in states]),
             st.finish([s for _, s in states], shared)))
 
-  return ok.per_leaf_transformation(init, stages, ordered=True)
+  return ok.per_leaf.transformation(init, stages, ordered=True)
 
 
 def make_blockwise_rule(rule: str, tx: optax.GradientTransformation,
@@ -683,22 +683,22 @@ def make_blockwise_rule(rule: str, tx: optax.GradientTransformation,
       params, residuals = ok.kahan_from_float32(w0)
       extra = w0 if rule == "float32" else residuals
       params = to_groups(params)
-      return params, ok.blockwise_init(wrapped, params, to_groups(extra))
+      return params, ok.blockwise.blockwise_init(wrapped, params, to_groups(extra))
     params = to_groups(to_bf16(w0))
-    return params, ok.blockwise_init(wrapped, params)
+    return params, ok.blockwise.blockwise_init(wrapped, params)
 
   def step(state, batch):
-    loss, params, opt_state = ok.blockwise_step(model, wrapped, *state, batch)
+    loss, params, opt_state = ok.blockwise.blockwise_step(model, wrapped, *state, batch)
     return loss, (params, opt_state)
 
   def exact(state):
     params, opt_state = state
     if rule == "float32":
-      return from_groups(ok.BlockwiseParams(
+      return from_groups(ok.blockwise.BlockwiseParams(
           opt_state.embed.master, (opt_state.stacks[0].master,),
           opt_state.head.master))
     if rule == "kahan":
-      residuals = ok.BlockwiseParams(
+      residuals = ok.blockwise.BlockwiseParams(
           ok.kahan_residuals(opt_state.embed),
           (ok.kahan_residuals(opt_state.stacks[0]),),
           ok.kahan_residuals(opt_state.head))
@@ -1079,7 +1079,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                  help="Euler steps of the sampler")
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--blockwise", action="store_true",
-                 help="polish with ok.blockwise_step: each part's update "
+                 help="polish with ok.blockwise.blockwise_step: each part's update "
                  "inside the backward pass (Prodigy with lagged_d)")
   args = p.parse_args(argv)
   rules = [r.strip() for r in args.rules.split(",") if r.strip()]

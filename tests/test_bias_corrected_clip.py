@@ -53,7 +53,7 @@ def test_keeps_the_dtype_and_has_a_per_leaf_form():
   tx = ok.clip_by_bias_corrected_rms(1.0, 0.0, 0.999)
   out, _ = tx.update(u, tx.init(u))
   assert out["w"].dtype == jnp.bfloat16 and out["b"].dtype == jnp.bfloat16
-  stages, reason = ok.stages_of(tx, u, tx.init(u), None)
+  stages, reason = ok.per_leaf.stages_of(tx, u, tx.init(u), None)
   assert stages is not None and not stages.rounds, reason
 
 

@@ -219,14 +219,14 @@ def test_nnx_flux_trains_blockwise():
   module = flux_model.Flux(cfg, rngs=nnx.Rngs(0))
   batch = flux_model.random_batch(jax.random.key(1), cfg, 2, 16, 8,
                                   jnp.float32)
-  model, params = ok.nnx_blockwise(
+  model, params = ok.blockwise.nnx_blockwise(
       module.embed, (module.double_blocks, module.single_blocks), module.head)
   np.testing.assert_allclose(bw.blockwise_loss(model, params, batch),
                              nnx.jit(lambda m, b: m(b))(module, batch),
                              rtol=1e-6)
   tx = optax.adamw(3e-3)
-  state = ok.blockwise_init(tx, params)
-  step = jax.jit(lambda p, s: ok.blockwise_step(model, tx, p, s, batch))
+  state = ok.blockwise.blockwise_init(tx, params)
+  step = jax.jit(lambda p, s: ok.blockwise.blockwise_step(model, tx, p, s, batch))
   losses = []
   for _ in range(5):
     loss, params, state = step(params, state)
@@ -284,7 +284,7 @@ def test_the_blockwise_state_compiles_once_and_exports_its_residuals():
   w32 = jax.tree.map(lambda x: x * (1 + 2**-12), init_params(jnp.float32))
   params, res = ok.kahan_from_float32(jax.device_put(w32, jax.devices()[0]))
   tx = ok.kahan(optax.adamw(1e-3))
-  state = ok.blockwise_init(tx, params, res)
+  state = ok.blockwise.blockwise_init(tx, params, res)
   # committed where the params are (before, the stacks' vmap(tx.init) state
   # was not, and the donated step compiled twice)
   assert all(x.committed for x in jax.tree.leaves(state))
@@ -298,14 +298,14 @@ def test_the_blockwise_state_compiles_once_and_exports_its_residuals():
     _, params, state = step(params, state, batch(i, jnp.bfloat16))
   assert step._cache_size() == 1
   with pytest.raises(ValueError, match=r"params\.embed\['b'\] was donated"):
-    ok.blockwise_init(tx, first)
+    ok.blockwise.blockwise_init(tx, first)
   # import: zero residuals make each weight its bf16 value
   state = ok.kahan_replace_residuals(state, ok.kahan_init(params))
   _assert_trees_equal(ok.kahan_to_float32(params, ok.kahan_residuals(state)),
                       jax.tree.map(lambda p: p.astype(jnp.float32), params))
   with pytest.raises(ValueError, match="BlockwiseParams with 2 stacks"):
     ok.kahan_replace_residuals(state, ok.kahan_residuals(state.embed))
-  assert ok.prodigy_d(ok.blockwise_init(
+  assert ok.prodigy_d(ok.blockwise.blockwise_init(
       ok.prodigy_factored(lagged_d=True), params)) == np.float32(1e-6)
 
 
@@ -353,7 +353,7 @@ def test_stacked_blockwise_and_unstacked_steps_are_one_optimizer(make):
   # blocks as separate leaves, free-running for 30 steps: they differ only in
   # the order of float32 sums over blocks.
   tx = make()
-  stacked = ok.per_block(tx, BLOCK_AXES)
+  stacked = ok.blockwise.per_block(tx, BLOCK_AXES)
   params = init_params(jnp.float32)
   runs = {
       "stacked": (jax.jit(lambda p, s, b: stacked_step(stacked, p, s, b)),
@@ -397,12 +397,12 @@ def test_blockwise_is_within_the_readmes_bound_of_the_ordinary_step(name):
 
 def test_a_list_of_blocks_is_not_a_stack():
   blocks = [{"w": jnp.ones((4, 4))} for _ in range(3)]
-  params = ok.BlockwiseParams({"w": jnp.ones(4)}, (blocks,), {"w": jnp.eye(4)})
+  params = ok.blockwise.BlockwiseParams({"w": jnp.ones(4)}, (blocks,), {"w": jnp.eye(4)})
   with pytest.raises(TypeError, match=r"params.stacks\[0\] is a list of 3 "
                      "entries.*jnp.stack"):
-    ok.blockwise_init(optax.adamw(1e-3), params)
-  ragged = ok.BlockwiseParams({"w": jnp.ones(4)}, (
+    ok.blockwise.blockwise_init(optax.adamw(1e-3), params)
+  ragged = ok.blockwise.BlockwiseParams({"w": jnp.ones(4)}, (
       {"a": jnp.ones((3, 4)), "b": jnp.ones((2, 4))},), {"w": jnp.eye(4)})
   with pytest.raises(ValueError, match=r"leaf \['b'\] has shape \[2, 4\], "
                      r"the first leaf \['a'\] \[3, 4\]"):
-    ok.blockwise_init(optax.adamw(1e-3), ragged)
+    ok.blockwise.blockwise_init(optax.adamw(1e-3), ragged)

@@ -49,8 +49,8 @@ INNER = {
     "adamw": (optax.adamw, 1e-2),
     "leafwise(prodigy)": (lambda lr: ok.leafwise(ok.prodigy(lr, d0=D0)), 1.0),
     "leafwise(adamw)": (lambda lr: ok.leafwise(optax.adamw(lr)), 1e-2),
-    "chain(clip_by_global_norm, adamw)": (lambda lr: ok.chain(
-        ok.clip_by_global_norm(1.0), optax.adamw(lr)), 1e-2),
+    "chain(clip_by_global_norm, adamw)": (lambda lr: ok.per_leaf.chain(
+        ok.per_leaf.clip_by_global_norm(1.0), optax.adamw(lr)), 1e-2),
 }
 WRAPPERS = {
     "kahan": ok.kahan,
@@ -310,7 +310,7 @@ def test_apply_if_finite_skips_a_nan_step(name):
   finite = functools.partial(optax.apply_if_finite, max_consecutive_errors=3)
   if ROWS[name][0] is not None:
     tx = make(name, inside=functools.partial(
-        ok.apply_if_finite if ROWS[name][0] == "kahan"
+        ok.per_leaf.apply_if_finite if ROWS[name][0] == "kahan"
         else optax.apply_if_finite, max_consecutive_errors=3))
   else:
     tx = finite(make(name))

@@ -19,7 +19,7 @@ def _grads(i, scale):
 @pytest.mark.parametrize("leafwise", [False, True])
 @pytest.mark.parametrize("scale", [1e-3, 10.0], ids=["unclipped", "clipped"])
 def test_clip_by_global_norm_is_optax(scale, leafwise):
-  ours = ok.clip_by_global_norm(1.0)
+  ours = ok.per_leaf.clip_by_global_norm(1.0)
   if leafwise:
     ours = ok.leafwise(ours)
   ref = optax.clip_by_global_norm(1.0)
@@ -38,7 +38,7 @@ def test_apply_if_finite_is_optax_through_nan_bursts():
   # adam on each leaf alone (its per-leaf form) rounds its bias correction
   # within an ulp of the whole-tree program's (see per_leaf).
   inner = lambda: optax.adam(1e-2)
-  ours, ref = ok.apply_if_finite(inner(), 2), optax.apply_if_finite(inner(), 2)
+  ours, ref = ok.per_leaf.apply_if_finite(inner(), 2), optax.apply_if_finite(inner(), 2)
   s_ours, s_ref = ours.init(PARAMS), ref.init(PARAMS)
   assert jax.tree.structure(s_ours) == jax.tree.structure(s_ref)
   nan = jnp.float32(jnp.nan)
@@ -59,9 +59,9 @@ def test_apply_if_finite_is_optax_through_nan_bursts():
 def test_kahan_of_the_chain_keeps_its_per_leaf_form_and_skips_nan_steps():
   params = jax.device_put(jax.tree.map(lambda p: p.astype(jnp.bfloat16),
                                        PARAMS), jax.devices()[0])
-  tx = ok.kahan(ok.apply_if_finite(
-      ok.chain(ok.clip_by_global_norm(1.0), optax.adamw(1e-2)), 3))
-  st, reason = ok.stages_of(tx, params, tx.init(params), params)
+  tx = ok.kahan(ok.per_leaf.apply_if_finite(
+      ok.per_leaf.chain(ok.per_leaf.clip_by_global_norm(1.0), optax.adamw(1e-2)), 3))
+  st, reason = ok.per_leaf.stages_of(tx, params, tx.init(params), params)
   assert st is not None, reason
   assert len(st.rounds) == 2  # the finiteness test, then the norm
   state = tx.init(params)
@@ -74,7 +74,7 @@ def test_kahan_of_the_chain_keeps_its_per_leaf_form_and_skips_nan_steps():
 
 
 def test_chain_state_is_optax_chains():
-  tx = ok.chain(ok.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  tx = ok.per_leaf.chain(ok.per_leaf.clip_by_global_norm(1.0), optax.adamw(1e-3))
   ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
   assert (jax.tree.structure(tx.init(PARAMS))
           == jax.tree.structure(ref.init(PARAMS)))
@@ -100,7 +100,7 @@ def test_optax_own_keep_a_per_leaf_form_with_optax_state_and_results(name):
   ref = _optax_own()[name]
   g = _grads(0, 10.0)
   state = ref.init(PARAMS)
-  st, reason = ok.stages_of(ref, g, state, PARAMS)
+  st, reason = ok.per_leaf.stages_of(ref, g, state, PARAMS)
   assert st is not None, reason
   # The finiteness count and the norm read only the gradients: one pass.
   assert len(st.rounds) == 1
@@ -134,7 +134,7 @@ def test_any_program_is_cut_from_what_it_computes():
 
   odd_clip = optax.GradientTransformation(optax.init_empty_state, clip_update)
   for tx, s in ((odd_chain, state), (odd_clip, optax.EmptyState())):
-    st, reason = ok.stages_of(tx, g, s, PARAMS)
+    st, reason = ok.per_leaf.stages_of(tx, g, s, PARAMS)
     assert st is not None and len(st.rounds) == 1, reason
     want, _ = jax.jit(tx.update)(g, s, PARAMS)
     got, _ = jax.jit(ok.leafwise(tx).update)(g, s, PARAMS)
@@ -148,7 +148,7 @@ def test_kahan_of_optax_chain_is_kahan_of_this_packages_chain():
   g = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _grads(0, 10.0))
   steps = [ok.kahan(make(1.0), offload=False) for make in (
       lambda c: optax.chain(optax.clip_by_global_norm(c), optax.adamw(1e-2)),
-      lambda c: ok.chain(ok.clip_by_global_norm(c), optax.adamw(1e-2)))]
+      lambda c: ok.per_leaf.chain(ok.per_leaf.clip_by_global_norm(c), optax.adamw(1e-2)))]
   # no whole-tree warning (pytest makes it an error); the same step
   (u, s), (v, t) = (jax.jit(tx.update)(g, tx.init(params), params)
                     for tx in steps)

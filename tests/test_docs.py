@@ -2,7 +2,8 @@
 
 * The Sphinx site (``docs/``) builds with warnings as errors, as in
   ``python -m sphinx -W -b html docs docs/_build/html``.
-* Its API reference has an entry for every name in ``optax_kahan.__all__``.
+* Its API reference has an entry for every name in ``optax_kahan.__all__``
+  and in its namespaces' (``optax_kahan.blockwise``, ``optax_kahan.per_leaf``).
 * Every page has a body, the search index lists every page, and every
   internal link (file and anchor) of the built site resolves.
 * Every ``python`` block of the README and of the docs runs as a complete
@@ -116,21 +117,28 @@ def test_readme_is_short_and_answers_the_card_question():
     assert f"| {card} |" in text
 
 
+NAMESPACES = {"optax_kahan": ok, "optax_kahan.blockwise": ok.blockwise,
+              "optax_kahan.per_leaf": ok.per_leaf}
+PUBLIC = [(prefix, name) for prefix, space in NAMESPACES.items()
+          for name in space.__all__]
+
+
 def _public_docstring_examples() -> list:
   finder = doctest.DocTestFinder(recurse=False)
   tests = []
-  for name in ok.__all__:
-    obj = getattr(ok, name)
+  for prefix, name in PUBLIC:
+    obj = getattr(NAMESPACES[prefix], name)
     if not hasattr(obj, "__module__"):  # a constant: no docstring of its own
       continue
     module = sys.modules[obj.__module__]
-    # The names an example may use unimported: its module's, the public API's
+    # The names an example may use unimported: its module's, its namespace's
     # and the usual aliases.
-    globs = {**vars(module), **{n: getattr(ok, n) for n in ok.__all__},
+    space = NAMESPACES[prefix]
+    globs = {**vars(module), **{n: getattr(space, n) for n in space.__all__},
              "jax": jax, "jnp": jax.numpy, "ok": ok, "optax": optax}
     for t in finder.find(obj, name, globs=globs):
       if t.examples:
-        tests.append(pytest.param(t, id=name))
+        tests.append(pytest.param(t, id=f"{prefix}.{name}"))
   return tests
 
 
@@ -195,7 +203,8 @@ def _parse(path: pathlib.Path) -> _Page:
 
 def test_api_reference_covers_all_public_names(site):
   ids = _parse(site / "api.html").ids
-  missing = [n for n in ok.__all__ if f"optax_kahan.{n}" not in ids]
+  missing = [f"{prefix}.{n}" for prefix, n in PUBLIC
+             if f"{prefix}.{n}" not in ids]
   assert not missing, f"no API entry for {missing}"
 
 

@@ -41,7 +41,7 @@ def test_nan_inf_bursts_are_skipped_exactly():
   """A burst shorter than max_consecutive_errors changes nothing: the run
   equals, bit for bit, the run that never saw the bad steps; the skips are
   counted in the apply_if_finite state."""
-  tx = ok.kahan(ok.apply_if_finite(optax.adamw(1e-2), 3))
+  tx = ok.kahan(ok.per_leaf.apply_if_finite(optax.adamw(1e-2), 3))
   good = [_grads(i) for i in range(4)]
   nan = jax.tree.map(lambda g: g.at[0].set(jnp.nan), good[0])
   inf = jax.tree.map(lambda g: g.at[-1].set(-jnp.inf), good[1])
@@ -58,7 +58,7 @@ def test_nan_inf_bursts_are_skipped_exactly():
 def test_burst_longer_than_the_limit_is_visible():
   """After max_consecutive_errors skips apply_if_finite lets the update
   through (optax's contract): the weights become NaN, loudly."""
-  tx = ok.kahan(ok.apply_if_finite(optax.adamw(1e-2), 2))
+  tx = ok.kahan(ok.per_leaf.apply_if_finite(optax.adamw(1e-2), 2))
   nan = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _grads(0))
   p, s = _train(tx, [_grads(1), nan, nan, nan])
   assert int(s.inner_state.total_notfinite) == 3

@@ -54,7 +54,7 @@ def test_finetune_diffusion_smoke(tmp_path):
 
 
 def test_finetune_diffusion_blockwise_smoke(tmp_path):
-  # The polish through ok.blockwise_step (encoder, a stack of one middle
+  # The polish through ok.blockwise.blockwise_step (encoder, a stack of one middle
   # block, decoder): Kahan still follows the float32 master bit for bit; the
   # nearest rule's weights are the ordinary step's, and the float32 and Kahan
   # rules' within float32 rounding (each block's rows compile inside the

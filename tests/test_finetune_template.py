@@ -108,7 +108,12 @@ def test_each_run_compiles_the_step_once(runs):
   assert runs["resumed"][1] == 1
 
 
-def test_progress_bar_shows_loss_and_d(tmp_path, capsys):
-  run(tmp_path / "c", 2, tmp_path / "c.npz")
-  err = capsys.readouterr().err
+def test_progress_bar_shows_loss_and_d_and_the_end_what_was_written(
+    tmp_path, capsys):
+  got, _ = run(tmp_path / "c", 2, tmp_path / "c.npz")
+  out, err = capsys.readouterr()
   assert "loss=" in err and "d=" in err and "2/2" in err
+  assert 0.0 <= got["accuracy"] <= 1.0 and np.isfinite(got["loss"])
+  assert (f"step 2: loss {got['loss']:.4f}, accuracy {got['accuracy']:.2%}"
+          in out)
+  assert f"wrote the float32 weights to {tmp_path / 'c.npz'}" in out

@@ -99,7 +99,7 @@ def _batches(steps):
 # AdamW whose bias corrections multiply by reciprocals: the same bits in a
 # one-leaf program as in a whole-tree one (optax.adamw divides, and XLA turns
 # that division into a multiplication only where the scalar has one user).
-ADAMW = ok.chain(ok.scale_by_second_moment(0.9, 0.999, 1e-8,
+ADAMW = ok.per_leaf.chain(ok.scale_by_second_moment(0.9, 0.999, 1e-8,
                                            bias_correction=True),
                  optax.add_decayed_weights(0.1),
                  optax.scale_by_learning_rate(3e-4))
@@ -203,7 +203,7 @@ def test_float32_leaves_pass_through_and_extra_args():
 
 @pytest.mark.parametrize("nesting", ["inside", "outside"])
 def test_nan_step_under_apply_if_finite_changes_nothing(nesting):
-  """kahan(ok.apply_if_finite(tx)) is the supported nesting.
+  """kahan(ok.per_leaf.apply_if_finite(tx)) is the supported nesting.
 
   Inside, the inner transformation sees float32 gradients and returns zeros on
   a non-finite step; x + 0 splits back into the same bf16 and residual. The
@@ -216,7 +216,7 @@ def test_nan_step_under_apply_if_finite_changes_nothing(nesting):
     tx = optax.apply_if_finite(ok.kahan(adam), max_consecutive_errors=5)
     grad_dtype = jnp.float32
   else:
-    tx = ok.kahan(ok.apply_if_finite(adam, max_consecutive_errors=5))
+    tx = ok.kahan(ok.per_leaf.apply_if_finite(adam, max_consecutive_errors=5))
     grad_dtype = jnp.bfloat16
   params = commit({"w": jnp.linspace(-1, 1, 16, dtype=jnp.bfloat16)})
   state = tx.init(params)

@@ -47,7 +47,7 @@ OPTIMIZERS = {
                                              optax.adam(1e-2)),
     "prodigy_factored": lambda: ok.prodigy_factored(slice_p=2),
     "stable_adamw": lambda: ok.stable_adamw(1e-2),
-    "clip_by_global_norm": lambda: ok.chain(ok.clip_by_global_norm(0.5),
+    "clip_by_global_norm": lambda: ok.per_leaf.chain(ok.per_leaf.clip_by_global_norm(0.5),
                                             optax.adamw(1e-2)),
     "optax.contrib.prodigy": lambda: optax.contrib.prodigy(),  # whole tree
 }
@@ -56,7 +56,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_per_block_is_tx_on_the_unstacked_tree(name):
   tx = OPTIMIZERS[name]()
-  blocked = ok.per_block(tx, AXES)
+  blocked = ok.blockwise.per_block(tx, AXES)
   p, p_ref = params(), unstack(params())
   s, s_ref = blocked.init(p), tx.init(p_ref)
   update, update_ref = jax.jit(blocked.update), jax.jit(tx.update)
@@ -83,7 +83,7 @@ def test_per_block_is_tx_on_the_unstacked_tree(name):
 
 def test_per_block_keeps_a_per_leaf_form_and_kahan_its_memory():
   p = params()
-  tx = ok.per_block(ok.prodigy_factored(), AXES)
+  tx = ok.blockwise.per_block(ok.prodigy_factored(), AXES)
   st, reason = traced.stages_of(tx, p, tx.init(p), p)
   assert st is not None, reason
   assert len(st.leaf_states) == len(jax.tree.leaves(p))  # a row per leaf
@@ -106,12 +106,12 @@ def test_per_block_names_what_does_not_fit():
   p = params()
   with pytest.raises(ValueError, match=r"\['deep'\] of shape \[2, 2, 5\] "
                      "cannot have 4"):
-    ok.per_block(optax.adam(1.0), {**AXES, "deep": 4}).init(p)
+    ok.blockwise.per_block(optax.adam(1.0), {**AXES, "deep": 4}).init(p)
   with pytest.raises(ValueError, match=r"\['out'\] must be an int >= 0"):
-    ok.per_block(optax.adam(1.0), {**AXES, "out": -1}).init(p)
+    ok.blockwise.per_block(optax.adam(1.0), {**AXES, "out": -1}).init(p)
   with pytest.raises(ValueError, match="not a prefix"):
-    ok.per_block(optax.adam(1.0), {"blocks": 1}).init(p)
-  tx = ok.per_block(ok.kahan(optax.adam(1.0)), AXES)
+    ok.blockwise.per_block(optax.adam(1.0), {"blocks": 1}).init(p)
+  tx = ok.blockwise.per_block(ok.kahan(optax.adam(1.0)), AXES)
   w = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.bfloat16), p),
                      jax.devices()[0])
   # (the inner kahan sees the outer one's float32 weights, and says so)
@@ -144,11 +144,11 @@ def test_block_axes_come_from_linen_scan_metadata():
       return x
 
   boxed = Model().init(jax.random.key(0), jnp.ones((2, 4)))["params"]
-  axes = ok.block_axes_of(boxed, "layers")
+  axes = ok.blockwise.block_axes_of(boxed, "layers")
   assert axes == {"Dense_0": {"kernel": 0, "bias": 0},
                   "ScanBlock_0": {"Dense_0": {"kernel": 1, "bias": 1}}}
   unboxed = nn.meta.unbox(boxed)
-  tx = ok.per_block(ok.prodigy_factored(), axes)
+  tx = ok.blockwise.per_block(ok.prodigy_factored(), axes)
   tx.update(unboxed, tx.init(unboxed), unboxed)
 
 
@@ -169,7 +169,7 @@ def test_block_axes_come_from_nnx_vmap_metadata():
     make = nnx.vmap(Block, in_axes=0, out_axes=0,
                     transform_metadata={nnx.PARTITION_NAME: "layers"})
     blocks = make(nnx.Rngs(0).split(4))
-    axes = ok.block_axes_of(nnx.state(blocks, nnx.Param), "layers")
+    axes = ok.blockwise.block_axes_of(nnx.state(blocks, nnx.Param), "layers")
   assert jax.tree.leaves(axes) == [1, 1]  # bias, kernel
 
 
@@ -195,11 +195,11 @@ def test_block_axes_of_refuses_a_stack_it_cannot_see():
   # MaxDiffusion's FLUX scans with PARTITION_NAME None: the block axis has
   # no name, and a stack must never be taken for one tensor.
   with pytest.raises(ValueError, match="no leaf has an axis named 'layers'"):
-    ok.block_axes_of(_scanned(None), "layers")
+    ok.blockwise.block_axes_of(_scanned(None), "layers")
   with pytest.raises(ValueError, match=r"\['Dense_0'\]\['bias'\] has no "
                      "partitioning metadata but sits beside stacked"):
-    ok.block_axes_of(_scanned("layers", bias_metadata=False), "layers")
+    ok.blockwise.block_axes_of(_scanned("layers", bias_metadata=False), "layers")
   with pytest.raises(ValueError, match="tree of ints"):
-    ok.block_axes_of(_scanned("layers"), None)
-  assert ok.block_axes_of(_scanned("layers"), "layers") == {
+    ok.blockwise.block_axes_of(_scanned("layers"), None)
+  assert ok.blockwise.block_axes_of(_scanned("layers"), "layers") == {
       "Dense_0": {"kernel": 1, "bias": 1}}

@@ -85,8 +85,8 @@ NAMED = {
                                                  decouple=False),
     "prodigy_factored": ok.prodigy_factored,
     "stable_adamw": lambda: ok.stable_adamw(1e-2),
-    "chain(clip_by_global_norm, adam)": lambda: ok.chain(
-        ok.clip_by_global_norm(0.5), optax.adam(1e-2)),
+    "chain(clip_by_global_norm, adam)": lambda: ok.per_leaf.chain(
+        ok.per_leaf.clip_by_global_norm(0.5), optax.adam(1e-2)),
 }
 
 
@@ -109,9 +109,9 @@ INNER = {
     "prodigy(decay, bias correction)": lambda: ok.prodigy(
         weight_decay=0.1, use_bias_correction=True),
     "stable_adamw": lambda: ok.stable_adamw(1e-2),
-    "ok.chain(ok.clip_by_global_norm, adam)": lambda: ok.chain(
-        ok.clip_by_global_norm(0.1), optax.adam(1e-2)),
-    "ok.apply_if_finite(adamw)": lambda: ok.apply_if_finite(
+    "ok.per_leaf.chain(ok.per_leaf.clip_by_global_norm, adam)": lambda: ok.per_leaf.chain(
+        ok.per_leaf.clip_by_global_norm(0.1), optax.adam(1e-2)),
+    "ok.per_leaf.apply_if_finite(adamw)": lambda: ok.per_leaf.apply_if_finite(
         optax.adamw(1e-2), 3),
 }
 
@@ -250,7 +250,7 @@ def test_couplings_are_refused_or_run_whole_tree_in_every_path(kind):
   grads = jax.tree.map(lambda p: p.astype(jnp.float32) * 1e-2, params)
   tx = _coupling(kind)
   want, _ = tx.update(grads, tx.init(params), params)
-  st, reason = ok.stages_of(tx, grads, optax.EmptyState(), params)
+  st, reason = ok.per_leaf.stages_of(tx, grads, optax.EmptyState(), params)
   assert st is None and "['a'] and ['b'] meet in one array" in reason, reason
   # kahan: the whole-tree step, with a warning that says why.
   k = ok.kahan(tx, offload=False)
@@ -260,8 +260,8 @@ def test_couplings_are_refused_or_run_whole_tree_in_every_path(kind):
   _assert_bitwise_equal(exact, jax.tree.map(
       lambda p, w: p.astype(jnp.float32) + w, params, want), kind)
   # A chain holding it has no per-leaf form either; it runs as optax.chain.
-  c = ok.chain(optax.scale(1.0), tx)
-  assert ok.stages_of(c, grads, c.init(params), params)[0] is None
+  c = ok.per_leaf.chain(optax.scale(1.0), tx)
+  assert ok.per_leaf.stages_of(c, grads, c.init(params), params)[0] is None
   _assert_bitwise_equal(c.update(grads, c.init(params), params)[0], want,
                         kind)
   # leafwise, Prodigy's preconditioner and blockwise refuse it.
@@ -270,14 +270,14 @@ def test_couplings_are_refused_or_run_whole_tree_in_every_path(kind):
   p = ok.scale_by_prodigy(tx)
   with pytest.raises(ValueError, match="no per-leaf form.*meet in one array"):
     p.update(grads, p.init(grads), grads)
-  model = ok.BlockwiseModel(
+  model = ok.blockwise.BlockwiseModel(
       embed=lambda p, x: (x * p["e"], ()),
       blocks=(lambda p, h, _: h * p["w"],),
       head=lambda p, h, _, x: jnp.sum(h * p["b"][:1]) + jnp.sum(p["a"]))
-  bparams = ok.BlockwiseParams({"e": jnp.ones(4)}, ({"w": jnp.ones((2, 4))},),
+  bparams = ok.blockwise.BlockwiseParams({"e": jnp.ones(4)}, ({"w": jnp.ones((2, 4))},),
                                grads)
   with pytest.raises(ValueError, match="not tx on the whole tree"):
-    ok.blockwise_step(model, tx, bparams, ok.blockwise_init(tx, bparams),
+    ok.blockwise.blockwise_step(model, tx, bparams, ok.blockwise.blockwise_init(tx, bparams),
                       jnp.ones(4))
 
 
@@ -290,7 +290,7 @@ def test_a_small_coupling_is_computed_between_the_passes(kind):
   grads = jax.tree.map(lambda p: p * 1e-2, params)
   tx = _coupling(kind)
   want, _ = jax.jit(tx.update)(grads, optax.EmptyState(), params)
-  st, reason = ok.stages_of(tx, grads, optax.EmptyState(), params)
+  st, reason = ok.per_leaf.stages_of(tx, grads, optax.EmptyState(), params)
   assert st is not None and len(st.rounds) == 1, reason
   got, _ = jax.jit(ok.leafwise(tx).update)(grads, optax.EmptyState(), params)
   _assert_bitwise_equal(got, want, kind)
@@ -305,7 +305,7 @@ def test_a_scan_that_keeps_leaves_apart_is_proved_per_leaf():
     return jax.tree.map(per_leaf, updates), state
   tx = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
   grads = {"a": jnp.ones(3), "b": jnp.ones(2)}
-  st, reason = ok.stages_of(tx, grads, optax.EmptyState(), None)
+  st, reason = ok.per_leaf.stages_of(tx, grads, optax.EmptyState(), None)
   assert st is not None, reason
   u, _ = ok.leafwise(tx).update(grads, optax.EmptyState())
   np.testing.assert_array_equal(u["a"], 0.125)
@@ -459,15 +459,15 @@ def test_rows_under_fsdp_sharding_match_the_single_device_run(form):
 def test_for_each_leaf_orders_rows_without_conditionals_on_gpus(monkeypatch):
   rows = [jnp.ones(3), jnp.ones(4)]
   fn = lambda x, k: (x * k, jnp.sum(x))
-  cpu = jax.jit(lambda r: ok.for_each_leaf(fn, r, [2.0, 3.0])).lower(
+  cpu = jax.jit(lambda r: ok.per_leaf.for_each_leaf(fn, r, [2.0, 3.0])).lower(
       rows).as_text()
   _force_gpu_form(monkeypatch)
-  gpu = jax.jit(lambda r: ok.for_each_leaf(fn, r, [2.0, 3.0])).lower(
+  gpu = jax.jit(lambda r: ok.per_leaf.for_each_leaf(fn, r, [2.0, 3.0])).lower(
       rows).as_text()
   assert "stablehlo.case" in cpu or "stablehlo.if" in cpu
   assert "stablehlo.case" not in gpu and "stablehlo.if" not in gpu
   assert gpu.count("optimization_barrier") >= 4
-  out = ok.for_each_leaf(fn, rows, [2.0, 3.0])
+  out = ok.per_leaf.for_each_leaf(fn, rows, [2.0, 3.0])
   np.testing.assert_array_equal(out[1][0], 3.0)
   assert float(out[1][1]) == 4.0
 

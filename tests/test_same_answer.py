@@ -147,8 +147,8 @@ PROGRAMS = {
     "ok.prodigy": lambda: ok.prodigy(d0=1e-3),
     "ok.prodigy_factored": lambda: ok.prodigy_factored(d0=1e-3),
     "ok.stable_adamw": lambda: ok.stable_adamw(1e-2),
-    "ok.chain(ok.clip_by_global_norm, adamw)": lambda: ok.chain(
-        ok.clip_by_global_norm(0.5), optax.adamw(1e-2)),
+    "ok.per_leaf.chain(ok.per_leaf.clip_by_global_norm, adamw)": lambda: ok.per_leaf.chain(
+        ok.per_leaf.clip_by_global_norm(0.5), optax.adamw(1e-2)),
 }
 QUICK = ["adamw(mask by path)", "add_decayed_weights(mask) + sgd",
          "multi_transform(label fn)", "masked(adam, callable)", "noisy_sgd",
@@ -256,19 +256,19 @@ def _model():
 
   k = iter(jax.random.split(jax.random.key(5), 8))
   n = lambda *s: 0.5 * jax.random.normal(next(k), s, jnp.float32)
-  params = ok.BlockwiseParams(
+  params = ok.blockwise.BlockwiseParams(
       embed={"dense": {"kernel": n(4, 8), "bias": n(8)}},
       stacks=({"attn": {"kernel": n(3, 8, 8), "bias": n(3, 8)},
                "norm": {"scale": 1 + n(3, 8)}},),
       head={"out": {"kernel": n(8, 2), "bias": n(2)}})
-  return ok.BlockwiseModel(embed, (block,), head), params
+  return ok.blockwise.BlockwiseModel(embed, (block,), head), params
 
 
 def _unstacked(params):
-  return ok.BlockwiseParams(
+  return ok.blockwise.BlockwiseParams(
       params.embed,
       tuple(tuple(jax.tree.map(lambda x, b=b: x[b], s)
-                  for b in range(ok.num_blocks(s))) for s in params.stacks),
+                  for b in range(ok.blockwise.num_blocks(s))) for s in params.stacks),
       params.head)
 
 
@@ -289,7 +289,7 @@ REFUSED = {
     "multi_transform(by group)": (lambda: optax.multi_transform(
         {"a": optax.adam(1e-2), "b": optax.sgd(0.1)},
         lambda p: jax.tree.map(lambda _: "a", p) if isinstance(
-            p, ok.BlockwiseParams) else jax.tree.map(lambda _: "b", p)),
+            p, ok.blockwise.BlockwiseParams) else jax.tree.map(lambda _: "b", p)),
                                   "another program"),
     "kahan(clip_by_global_norm + adam)": (lambda: ok.kahan(optax.chain(
         optax.clip_by_global_norm(0.1), optax.adam(1e-2)), offload=False),
@@ -304,12 +304,12 @@ def test_blockwise_gives_optaxs_answer(name):
   model, params = _model()
   batch = jax.random.normal(jax.random.key(9), (5, 4))
   tx = BLOCKWISE[name]()
-  state = ok.blockwise_init(tx, params)
-  loss, new, _ = jax.jit(ok.blockwise_step, static_argnums=(0, 1))(
+  state = ok.blockwise.blockwise_init(tx, params)
+  loss, new, _ = jax.jit(ok.blockwise.blockwise_step, static_argnums=(0, 1))(
       model, tx, params, state, batch)
   # optax's whole-tree program on the blocks as separate leaves.
   whole = _unstacked(params)
-  grads = jax.grad(lambda p: ok.blockwise_loss(model, p, batch))(params)
+  grads = jax.grad(lambda p: ok.blockwise.blockwise_loss(model, p, batch))(params)
   ref = BLOCKWISE[name]()
   u, _ = jax.jit(ref.update)(_unstacked(grads), ref.init(whole), whole)
   want = optax.apply_updates(whole, u)
@@ -323,9 +323,9 @@ def test_blockwise_refuses_what_groups_would_change(name):
   model, params = _model()
   make, why = REFUSED[name]
   tx = make()
-  state = ok.blockwise_init(tx, params)
+  state = ok.blockwise.blockwise_init(tx, params)
   with pytest.raises(ValueError, match=why):
-    ok.blockwise_step(model, tx, params, state, jnp.ones((5, 4)))
+    ok.blockwise.blockwise_step(model, tx, params, state, jnp.ones((5, 4)))
 
 
 def test_blockwise_refuses_a_global_clip_with_a_one_leaf_head():
@@ -336,7 +336,7 @@ def test_blockwise_refuses_a_global_clip_with_a_one_leaf_head():
       (h @ p["out"]["kernel"] - x[:, :2]) ** 2))
   tx = optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(1.0))
   with pytest.raises(ValueError, match="sums over the leaves"):
-    ok.blockwise_step(model, tx, params, ok.blockwise_init(tx, params),
+    ok.blockwise.blockwise_step(model, tx, params, ok.blockwise.blockwise_init(tx, params),
                       jnp.ones((5, 4)))
 
 
@@ -354,7 +354,7 @@ def test_per_block_gives_optaxs_answer_on_the_unstacked_tree(name):
       k: tuple(v[b] for b in range(3))
       for k, v in t["encoder"]["blocks"].items()}}, "head": t["head"]}
   grads = jax.tree.map(lambda x: 0.1 * jnp.cos(x), stacked)
-  tx = ok.per_block(PROGRAMS[name](), axes)
+  tx = ok.blockwise.per_block(PROGRAMS[name](), axes)
   u, _ = jax.jit(tx.update)(grads, tx.init(stacked), stacked)
   ref = PROGRAMS[name]()
   w, _ = jax.jit(ref.update)(unstack(grads), ref.init(unstack(stacked)),

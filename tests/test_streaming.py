@@ -24,7 +24,7 @@ from tests.test_blockwise import init_params
 def _joined(model, tree):
   """The stacks of a stream_blocks layout joined back, as numpy arrays."""
   return [jax.tree.map(np.asarray, stack)
-          for stack in ok.join_stacks(model, tree)[1].stacks]
+          for stack in ok.blockwise.join_stacks(model, tree)[1].stacks]
 
 
 def _assert_stacks_equal(model, got, want):
@@ -43,14 +43,14 @@ def _doubles(tree):
 
 
 def _is_double(x):
-  return isinstance(x, ok.DoubleBuffer)
+  return isinstance(x, ok.blockwise.DoubleBuffer)
 
 
 def _run(model, tx, params, state, steps, dtype):
   # the options the README gives (XLA:GPU's; the CPU accepts them)
   step = jax.jit(lambda p, s, b: bw.blockwise_step(model, tx, p, s, b),
                  donate_argnums=(0, 1),
-                 compiler_options=ok.STREAMING_COMPILER_OPTIONS)
+                 compiler_options=ok.blockwise.STREAMING_COMPILER_OPTIONS)
   doubles = bool(_doubles((params, state)))
   losses = []
   for i in range(steps):
@@ -71,15 +71,15 @@ def test_streamed_steps_equal_the_plain_steps_bit_for_bit(model):
   tx = ok.kahan(optax.adamw(1e-3))
   dtype = jnp.bfloat16
   params = init_params(dtype)
-  state = ok.blockwise_init(tx, params)
+  state = ok.blockwise.blockwise_init(tx, params)
   want = _run(model, tx, jax.tree.map(jnp.copy, params),
               jax.tree.map(jnp.copy, state), 4, dtype)
   # the double stack split (1 on the device, 2 streamed), the other all on
   # the host
-  smodel, sparams, sstate = ok.stream_blocks(model, params, state, (2, 2))
+  smodel, sparams, sstate = ok.blockwise.stream_blocks(model, params, state, (2, 2))
   # the double stack: block 0 on the device (its residuals in host memory),
   # blocks 1 and 2 streamed; the single stack's two blocks streamed
-  assert [ok.num_blocks(x) for x in sparams.stacks] == [1, 2, 2]
+  assert [ok.blockwise.num_blocks(x) for x in sparams.stacks] == [1, 2, 2]
   join = model.transitions[0] if model.transitions else None
   assert smodel.transitions == (bw.continue_stack, join)
   for part, host in zip(sstate.stacks, (False, True, True)):
@@ -98,7 +98,7 @@ def test_streamed_steps_equal_the_plain_steps_bit_for_bit(model):
   _assert_stacks_equal(smodel, got, want)
   np.testing.assert_array_equal(
       np.asarray(got[1].head["w"]), np.asarray(want[1].head["w"]))
-  assert ok.join_stacks(smodel, got[1])[0].blocks == model.blocks
+  assert ok.blockwise.join_stacks(smodel, got[1])[0].blocks == model.blocks
 
 
 @pytest.mark.parametrize("num_streamed, spare", [
@@ -111,10 +111,10 @@ def test_every_layout_of_a_stack_trains_the_same(num_streamed, spare):
   residuals alone with spares), one buffer per leaf."""
   tx = ok.kahan(optax.adamw(1e-3))
   params = init_params(jnp.bfloat16)
-  state = ok.blockwise_init(tx, params)
+  state = ok.blockwise.blockwise_init(tx, params)
   want = _run(MODEL, tx, jax.tree.map(jnp.copy, params),
               jax.tree.map(jnp.copy, state), 3, jnp.bfloat16)
-  smodel, sparams, sstate = ok.stream_blocks(
+  smodel, sparams, sstate = ok.blockwise.stream_blocks(
       MODEL, params, state, num_streamed, spare_buffers=spare)
   assert bool(_doubles((sparams, sstate))) == spare
   got = _run(smodel, tx, sparams, sstate, 3, jnp.bfloat16)
@@ -128,10 +128,10 @@ def test_residuals_kept_on_the_device_for_the_blocks_not_streamed():
   on the device, the streamed blocks' go to host memory with them."""
   tx = ok.kahan(optax.adamw(1e-3), offload=False)
   params = init_params(jnp.bfloat16)
-  state = ok.blockwise_init(tx, params)
+  state = ok.blockwise.blockwise_init(tx, params)
   want = _run(MODEL, tx, jax.tree.map(jnp.copy, params),
               jax.tree.map(jnp.copy, state), 3, jnp.bfloat16)
-  smodel, sparams, sstate = ok.stream_blocks(MODEL, params, state, (2, 0))
+  smodel, sparams, sstate = ok.blockwise.stream_blocks(MODEL, params, state, (2, 0))
   kinds = lambda t: {x.sharding.memory_kind for x in jax.tree.leaves(t)}
   assert kinds(ok.kahan_residuals(sstate.stacks[0])) == {"device"}
   assert kinds(ok.kahan_residuals(sstate.stacks[1])) == {"pinned_host"}
@@ -144,10 +144,10 @@ def test_residuals_kept_on_the_device_for_the_blocks_not_streamed():
 def test_streamed_prodigy_keeps_its_lagged_d():
   tx = ok.kahan(ok.prodigy_factored(lagged_d=True))
   params = init_params(jnp.bfloat16)
-  state = ok.blockwise_init(tx, params)
+  state = ok.blockwise.blockwise_init(tx, params)
   want = _run(MODEL, tx, jax.tree.map(jnp.copy, params),
               jax.tree.map(jnp.copy, state), 3, jnp.bfloat16)
-  smodel, sparams, sstate = ok.stream_blocks(MODEL, params, state, (3, 1))
+  smodel, sparams, sstate = ok.blockwise.stream_blocks(MODEL, params, state, (3, 1))
   got = _run(smodel, tx, sparams, sstate, 3, jnp.bfloat16)
   assert got[0] == want[0]
   np.testing.assert_array_equal(ok.prodigy_d(got[2].head),
@@ -156,7 +156,7 @@ def test_streamed_prodigy_keeps_its_lagged_d():
 
 def test_a_double_buffer_keeps_its_arrays_in_place_and_flips_its_front():
   a, b, new = jnp.zeros(2), jnp.ones(2), jnp.full(2, 2.0)
-  d = ok.DoubleBuffer(a, b)
+  d = ok.blockwise.DoubleBuffer(a, b)
   assert d.front is a and d.back is b
   e = d.flip(new)  # written into the back buffer, which becomes the front
   assert e.a is a and e.b is new and e.front is new and e.back is a
@@ -166,59 +166,64 @@ def test_a_double_buffer_keeps_its_arrays_in_place_and_flips_its_front():
   assert leaves == [a, new]
   # which buffer is front is static: a jitted step retraces when it flips
   assert treedef != jax.tree.structure(d)
-  values = ok.front_buffers({"x": e, "y": a})
+  values = ok.blockwise.front_buffers({"x": e, "y": a})
   assert values["x"] is new and values["y"] is a
 
 
 def test_with_front_buffers_puts_values_back_keeping_spares_and_roles():
   host = lambda x: jax.device_put(x, jax.memory.Space.Host)
   a, b, new = host(jnp.zeros(2)), host(jnp.ones(2)), host(jnp.full(2, 2.0))
-  layout = {"x": ok.DoubleBuffer(a, b, front_is_a=False), "y": jnp.zeros(3)}
+  layout = {"x": ok.blockwise.DoubleBuffer(a, b, front_is_a=False), "y": jnp.zeros(3)}
   y = jnp.ones(3)
-  tree = ok.with_front_buffers(layout, {"x": new, "y": y})
+  tree = ok.blockwise.with_front_buffers(layout, {"x": new, "y": y})
   # the same structure (roles included): a jitted step does not retrace
   assert jax.tree.structure(tree) == jax.tree.structure(layout)
   assert tree["x"].a is a and tree["x"].front is new and tree["y"] is y
   # a host leaf restored into device memory would silently stop streaming
   with pytest.raises(ValueError, match=r"\['x'\] is in host memory in the "
                      "layout but not in values"):
-    ok.with_front_buffers(layout, {"x": jnp.zeros(2), "y": y})
+    ok.blockwise.with_front_buffers(layout, {"x": jnp.zeros(2), "y": y})
+  # a layout an earlier donating step consumed: its spare is gone
+  a.delete()
+  with pytest.raises(ValueError, match=r"spare buffer of \['x'\] in layout "
+                     "was deleted"):
+    ok.blockwise.with_front_buffers(layout, {"x": new, "y": y})
 
 
 def test_stream_blocks_names_a_count_that_does_not_fit():
   tx = optax.adamw(1e-3)
   params = init_params(jnp.float32)
-  state = ok.blockwise_init(tx, params)
+  state = ok.blockwise.blockwise_init(tx, params)
   with pytest.raises(ValueError, match=r"num_streamed\[1\] = 3, but stack 1 "
                      "has 2 blocks"):
-    ok.stream_blocks(MODEL, params, state, (0, 3))
+    ok.blockwise.stream_blocks(MODEL, params, state, (0, 3))
   for wrong in ((1,), 3, (1.0, 0)):
     with pytest.raises(ValueError, match=r"num_streamed must be a tuple of 2 "
                        r"ints, one per stack \(blocks per stack: \(\d+, 2\)\)"):
-      ok.stream_blocks(MODEL, params, state, wrong)
-  model, params, state = ok.stream_blocks(MODEL, params, state, (1, 0))
+      ok.blockwise.stream_blocks(MODEL, params, state, wrong)
+  model, params, state = ok.blockwise.stream_blocks(MODEL, params, state, (1, 0))
   # streaming twice would nest the spares; initializing on spares would
   # give the state of both buffers
   with pytest.raises(ValueError, match=r"\.stacks\[1\]\['mod'\] is a "
                      "DoubleBuffer .*join_stacks"):
-    ok.stream_blocks(model, params, state, (1, 0, 0))
+    ok.blockwise.stream_blocks(model, params, state, (1, 0, 0))
   with pytest.raises(ValueError, match="blockwise_init: .* DoubleBuffer"):
-    ok.blockwise_init(tx, params)
+    ok.blockwise.blockwise_init(tx, params)
 
 
 def test_stream_blocks_places_abstract_leaves_for_compiling_ahead():
   tx = ok.kahan(optax.adamw(1e-3))
   params = init_params(jnp.bfloat16)
-  state = ok.blockwise_init(tx, params)
+  state = ok.blockwise.blockwise_init(tx, params)
   sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-  _, p, s = ok.stream_blocks(MODEL, jax.tree.map(sds, params),
+  _, p, s = ok.blockwise.stream_blocks(MODEL, jax.tree.map(sds, params),
                              jax.tree.map(sds, state), (1, 0))
   # the double stack: blocks 0, 1 on the device, block 2 streamed; the
   # single stack whole on the device
   assert [jax.tree.leaves(x)[0].shape[0] for x in p.stacks] == [2, 1, 2]
   assert {x.sharding.memory_kind for x in jax.tree.leaves(p.stacks[1])} == {
       "pinned_host"}
-  assert all(isinstance(x, ok.DoubleBuffer) for x in jax.tree.leaves(
+  assert all(isinstance(x, ok.blockwise.DoubleBuffer) for x in jax.tree.leaves(
       p.stacks[1], is_leaf=_is_double))
   # the residuals of the device part have their spares
   assert _doubles(ok.kahan_residuals(s.stacks[0]))
@@ -229,10 +234,10 @@ def test_stream_blocks_puts_weights_loaded_into_host_memory_on_the_device():
   # blocks not streamed go to the device, as num_streamed says
   tx = ok.kahan(optax.adamw(1e-3))
   params = init_params(jnp.bfloat16)
-  state = ok.blockwise_init(tx, params)
+  state = ok.blockwise.blockwise_init(tx, params)
   loaded = params._replace(stacks=jax.device_put(params.stacks,
                                                  jax.memory.Space.Host))
-  _, p, s = ok.stream_blocks(MODEL, loaded, state, (1, 2))
+  _, p, s = ok.blockwise.stream_blocks(MODEL, loaded, state, (1, 2))
   kinds = lambda t: {x.sharding.memory_kind for x in jax.tree.leaves(t)}
   assert [kinds(x) for x in p.stacks] == [{"device"}, {"pinned_host"},
                                           {"pinned_host"}]
@@ -262,14 +267,14 @@ with jax.set_mesh(mesh):
     # one device: only the streamed layout is compared with
     for streamed in ((2, 2), (0, 0)) if devices > 1 else ((2, 2),):
       params = jax.tree.map(fsdp, init_params(jnp.bfloat16))
-      state = ok.blockwise_init(tx, params)
-      model, params, state = ok.stream_blocks(MODEL, params, state, streamed)
-      step = jax.jit(lambda p, s, b: ok.blockwise_step(model, tx, p, s, b),
+      state = ok.blockwise.blockwise_init(tx, params)
+      model, params, state = ok.blockwise.stream_blocks(MODEL, params, state, streamed)
+      step = jax.jit(lambda p, s, b: ok.blockwise.blockwise_step(model, tx, p, s, b),
                      donate_argnums=(0, 1))
       for i in range(3):
         _, params, state = step(params, state, batch(i, jnp.bfloat16))
-      _, joined = ok.join_stacks(model, params)
-      _, res = ok.join_stacks(model, ok.kahan_residuals(state))
+      _, joined = ok.blockwise.join_stacks(model, params)
+      _, res = ok.blockwise.join_stacks(model, ok.kahan_residuals(state))
       w = [np.asarray(x) for x in jax.tree.leaves(
           ok.kahan_to_float32(joined, res))]
       np.savez(f"{out}/{name}_{devices}_{sum(streamed)}.npz", *w)
@@ -315,18 +320,18 @@ def test_the_streamed_step_under_fsdp_on_8_devices_matches_one_device(
 
 
 def test_residual_helpers_refuse_a_streamed_layout_naming_front_buffers():
-  params = {"w": ok.DoubleBuffer(jnp.ones((2, 3), jnp.bfloat16),
+  params = {"w": ok.blockwise.DoubleBuffer(jnp.ones((2, 3), jnp.bfloat16),
                                  jnp.zeros((2, 3), jnp.bfloat16))}
-  residuals = {"w": ok.DoubleBuffer(jnp.zeros((2, 3), jnp.uint16),
+  residuals = {"w": ok.blockwise.DoubleBuffer(jnp.zeros((2, 3), jnp.uint16),
                                     jnp.zeros((2, 3), jnp.uint16))}
-  plain_p = ok.front_buffers(params)
+  plain_p = ok.blockwise.front_buffers(params)
   for p, r in ((params, residuals), (plain_p, residuals), (params,
-                                                           ok.front_buffers(
+                                                           ok.blockwise.front_buffers(
                                                                residuals))):
     with pytest.raises(ValueError, match=r"kahan_to_float32: \w+ leaf "
                        r"\['w'\] is a DoubleBuffer.*front_buffers"):
       ok.kahan_to_float32(p, r)
   with pytest.raises(ValueError, match="kahan_apply_updates.*front_buffers"):
     ok.kahan_apply_updates(params, plain_p, residuals)
-  w32 = ok.kahan_to_float32(plain_p, ok.front_buffers(residuals))
+  w32 = ok.kahan_to_float32(plain_p, ok.blockwise.front_buffers(residuals))
   np.testing.assert_array_equal(w32["w"], 1.0)

@@ -62,7 +62,7 @@ def clip_by_bias_corrected_rms(threshold: float, b1: float, b2: float
 
   Example:
     >>> import optax_kahan as ok
-    >>> tx = ok.scale_by_prodigy(ok.chain(
+    >>> tx = ok.scale_by_prodigy(ok.per_leaf.chain(
     ...     ok.scale_by_factored_second_moment(b1=0.0, b2=0.999),
     ...     ok.clip_by_bias_corrected_rms(1.0, b1=0.0, b2=0.999)))
 

@@ -309,8 +309,8 @@ def with_front_buffers(layout: Any, values: Any) -> Any:
   Raises:
     ValueError: for a value in device memory where ``layout``'s is in host
       memory (orbax restores host arrays whose type says device memory:
-      ``jax.device_put(x, jax.memory.Space.Host)`` places them), naming the
-      leaf.
+      ``jax.device_put(x, jax.memory.Space.Host)`` places them), or a spare
+      buffer a donating step has deleted, naming the leaf.
   """
   def put(path, x, value):
     front = x.front if _is_double(x) else x
@@ -321,6 +321,13 @@ def with_front_buffers(layout: Any, values: Any) -> Any:
           f"jax.device_put(value, jax.memory.Space.Host)")
     if not _is_double(x):
       return value
+    spare = x.b if x.front_is_a else x.a
+    if isinstance(spare, jax.Array) and spare.is_deleted():
+      raise ValueError(
+          f"with_front_buffers: the spare buffer of "
+          f"{jax.tree_util.keystr(path)} in layout was deleted (a jitted "
+          "step donated it); pass the layout the last step returned, or a "
+          "new one from ok.blockwise.stream_blocks")
     if x.front_is_a:
       return DoubleBuffer(value, x.b, True)
     return DoubleBuffer(x.a, value, False)

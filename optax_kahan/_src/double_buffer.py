@@ -85,4 +85,4 @@ def check_not_doubled(tree: Any, what: str, arg: str) -> None:
       raise ValueError(
           f"{what}: {arg} leaf {jax.tree_util.keystr(path)} is a "
           "DoubleBuffer (a streamed layout from stream_blocks), whose spare "
-          f"half means nothing; pass ok.front_buffers({arg})")
+          f"half means nothing; pass ok.blockwise.front_buffers({arg})")

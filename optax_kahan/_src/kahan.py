@@ -169,8 +169,9 @@ def kahan_apply_updates(
   Example:
     >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
     >>> res = kahan_init(params, offload=False)
+    >>> step = jax.jit(kahan_apply_updates)
     >>> for _ in range(100):
-    ...   params, res = kahan_apply_updates(params, {"w": jnp.full(3, 1e-4)}, res)
+    ...   params, res = step(params, {"w": jnp.full(3, 1e-4)}, res)
     >>> kahan_to_float32(params, res)["w"][0]  # 1 + 1e-4 + ... + 1e-4, in float32
     Array(1.0100017, dtype=float32)
   """
@@ -414,7 +415,7 @@ def _stages(inner, rounding, offload, updates, state, params, **extra_args):
         f"kahan: the inner transformation has no per-leaf form ({reason}); "
         "its step runs on the whole tree, so on a GPU every host residual "
         "is staged on the device at once. Declare its stages with "
-        "optax_kahan.per_leaf_transformation to keep the per-leaf form",
+        "optax_kahan.per_leaf.transformation to keep the per-leaf form",
         stacklevel=3)
     return reason
 

@@ -37,7 +37,7 @@ def chain(*txs: optax.GradientTransformation
   Example:
     >>> import optax
     >>> import optax_kahan as ok
-    >>> tx = ok.chain(ok.clip_by_global_norm(1.0), optax.adamw(1e-4))
+    >>> tx = ok.per_leaf.chain(ok.per_leaf.clip_by_global_norm(1.0), optax.adamw(1e-4))
   """
   txs = tuple(optax.with_extra_args_support(t) for t in txs)
   plain = optax.chain(*txs)

@@ -141,7 +141,7 @@ def per_block(tx: optax.GradientTransformation,
     >>> import optax
     >>> import optax_kahan as ok
     >>> params = {"blocks": {"b": jnp.zeros((4, 8))}, "out": jnp.zeros(8)}
-    >>> tx = ok.per_block(ok.prodigy_factored(), {"blocks": 1, "out": 0})
+    >>> tx = ok.blockwise.per_block(ok.prodigy_factored(), {"blocks": 1, "out": 0})
     >>> state = tx.init(params)
 
   References:

@@ -307,7 +307,7 @@ def _stages(hp: _Hyper, preconditioner: optax.GradientTransformationExtraArgs,
         + (f"has no per-leaf form ({reason})" if pst is None else
            "sums over the leaves itself") + "; build it from "
         "transformations that act leaf by leaf, and clip the gradients "
-        "by their global norm before Prodigy (optax_kahan.chain)")
+        "by their global norm before Prodigy (optax_kahan.per_leaf.chain)")
 
   def statistic(g, ls, x, shared, **extra):
     del shared, extra

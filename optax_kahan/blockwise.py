@@ -1,0 +1,51 @@
+"""Models as blocks: the blockwise step, streaming, and stacked blocks.
+
+``blockwise_step`` updates each block of an embed -> stacked blocks -> head
+model inside the backward pass; ``stream_blocks`` moves some blocks'
+weights, residuals and state through the device from host memory;
+``per_block`` runs a transformation on each block of a stacked (scanned)
+tree as on the unstacked one. ``linen_apply`` and ``nnx_blockwise`` adapt
+Flax models.
+
+See the guide "Fine-tuning FLUX.1-dev" for the whole recipe.
+"""
+
+from optax_kahan._src.blockwise import blockwise_init
+from optax_kahan._src.blockwise import blockwise_loss
+from optax_kahan._src.blockwise import blockwise_step
+from optax_kahan._src.blockwise import BlockwiseModel
+from optax_kahan._src.blockwise import BlockwiseParams
+from optax_kahan._src.blockwise import BlockwiseState
+from optax_kahan._src.blockwise import continue_stack
+from optax_kahan._src.blockwise import DoubleBuffer
+from optax_kahan._src.blockwise import front_buffers
+from optax_kahan._src.blockwise import join_stacks
+from optax_kahan._src.blockwise import linen_apply
+from optax_kahan._src.blockwise import nnx_blockwise
+from optax_kahan._src.blockwise import num_blocks
+from optax_kahan._src.blockwise import stream_blocks
+from optax_kahan._src.blockwise import STREAMING_COMPILER_OPTIONS
+from optax_kahan._src.blockwise import with_front_buffers
+from optax_kahan._src.per_block import block_axes_of
+from optax_kahan._src.per_block import per_block
+
+__all__ = (
+    "BlockwiseModel",
+    "BlockwiseParams",
+    "BlockwiseState",
+    "DoubleBuffer",
+    "STREAMING_COMPILER_OPTIONS",
+    "block_axes_of",
+    "blockwise_init",
+    "blockwise_loss",
+    "blockwise_step",
+    "continue_stack",
+    "front_buffers",
+    "join_stacks",
+    "linen_apply",
+    "nnx_blockwise",
+    "num_blocks",
+    "per_block",
+    "stream_blocks",
+    "with_front_buffers",
+)
