@@ -254,3 +254,15 @@ def test_every_argument_is_documented():
   for arg in ("b1", "slice_p", "update_clip",  # the defaults that differ
               "bias_corrected_clip"):
     assert f"``{arg}=" in ok.prodigy_factored.__doc__, arg
+
+
+def test_prodigy_factored_is_prodigy_with_its_own_defaults():
+  whole = inspect.signature(ok.prodigy).parameters
+  factored = inspect.signature(ok.prodigy_factored).parameters
+  assert list(factored) == [n for n in whole if n != "factored"]
+  differ = {n: p.default for n, p in factored.items()
+            if p.default != whole[n].default}
+  assert differ == {"b1": 0.0, "slice_p": 11, "update_clip": 1.0,
+                    "bias_corrected_clip": True}
+  for n, p in factored.items():
+    assert p.annotation == whole[n].annotation, n

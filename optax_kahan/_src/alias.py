@@ -14,8 +14,7 @@ them at the bf16 figures there. Each is a chain that keeps the per-leaf form
 (``optax_kahan.per_leaf``), so ``kahan`` and ``leafwise`` run it leaf by leaf.
 """
 
-import inspect
-from typing import Any, Optional
+from typing import Optional
 
 import jax.numpy as jnp
 import optax
@@ -63,7 +62,11 @@ def prodigy(
   ``scale_by_second_moment``). ``optax.contrib.prodigy`` always bias-corrects,
   has no ``growth_rate``, ``slice_p``, ``b1 = 0`` mode or factored moment, and
   gives NaN on an all-zero gradient step; this one skips such a step, like
-  the reference.
+  the reference. The arguments are prodigyopt's, by optax's names for the
+  rest: ``optax.contrib.prodigy(learning_rate, betas=(b1, b2), beta3=b3,
+  eps, estim_lr0=d0, estim_lr_coef=d_coef, weight_decay, safeguard_warmup)``
+  is ``prodigy(learning_rate, b1, b2, b3, eps, weight_decay,
+  safeguard_warmup=..., d0=..., d_coef=..., use_bias_correction=True)``.
 
   Args:
     learning_rate: multiplier of Prodigy's ``d`` (keep 1.0), float or schedule.
@@ -90,6 +93,8 @@ def prodigy(
     state_dtype: dtype of the per-element state (``s``, ``x0`` and the
       moments), e.g. ``jnp.bfloat16``; None follows the params (inside
       ``kahan``, float32). The factored row and column statistics stay.
+      (optax's ``mu_dtype`` sets the first moment's alone; this sets every
+      per-element buffer.)
     bias_corrected_clip: clip the bias-corrected update
       (``clip_by_bias_corrected_rms``) rather than the raw one, so that the
       clip tames spikes without shrinking every early step, which slows or
@@ -161,13 +166,26 @@ def prodigy(
       optax.add_decayed_weights(weight_decay), estimator))
 
 
-# prodigy_factored's defaults where they differ from prodigy's.
-_FACTORED = {"b1": 0.0, "slice_p": 11, "update_clip": 1.0,
-             "bias_corrected_clip": True}
-
-
-def prodigy_factored(*args: Any, **kwargs: Any
-                     ) -> optax.GradientTransformationExtraArgs:
+def prodigy_factored(
+    learning_rate: optax.ScalarOrSchedule = 1.0,
+    b1: float = 0.0,
+    b2: float = 0.999,
+    b3: Optional[float] = None,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decouple: bool = True,
+    use_bias_correction: bool = False,
+    safeguard_warmup: bool = False,
+    d0: float = 1e-6,
+    d_coef: float = 1.0,
+    growth_rate: float = float("inf"),
+    slice_p: int = 11,
+    update_clip: Optional[float] = 1.0,
+    eps2: float = 1e-30,
+    lagged_d: bool = False,
+    state_dtype: Optional[jnp.dtype] = None,
+    bias_corrected_clip: bool = True,
+) -> optax.GradientTransformationExtraArgs:
   """Prodigy at about 0.36 B/param of state: b1 = 0, factored v, slice_p = 11, clip 1.
 
   ``prodigy(factored=True)`` with the defaults of the prodigyopt PRs #20 and
@@ -181,9 +199,9 @@ def prodigy_factored(*args: Any, **kwargs: Any
   few hundred (their moments, grown from zero, make the raw update up to
   ``1/sqrt(1 - b2) = 31.6`` times larger), which slows d's start and, on
   bf16 weights stepped without ``kahan``, stalls it at ``d0``:
-  ``python -m benchmarks.prodigy_clip`` measures both. Its
-  signature is ``prodigy``'s with these defaults (``optax.inject_hyperparams``
-  and ``help`` see every argument); ``state_dtype=jnp.bfloat16`` halves the
+  ``python -m benchmarks.prodigy_clip`` measures both. Its arguments are
+  ``prodigy``'s (less ``factored``) with these defaults;
+  ``state_dtype=jnp.bfloat16`` halves the
   state inside ``kahan`` (about 0.37 B/param instead of 0.73).
 
   Use it inside ``kahan``: on plain bf16 params the first steps (``d0 =
@@ -191,8 +209,11 @@ def prodigy_factored(*args: Any, **kwargs: Any
   not move and ``d`` never leaves ``d0`` (the run stalls without an error).
 
   Args:
-    *args: ``prodigy``'s arguments, in its order.
-    **kwargs: ``prodigy``'s arguments by name.
+    b1: 0 (no first moment).
+    slice_p: 11.
+    update_clip: 1.0.
+    bias_corrected_clip: True.
+    **others: as in ``prodigy``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a per-leaf form.
@@ -210,15 +231,14 @@ def prodigy_factored(*args: Any, **kwargs: Any
   References:
     Shazeer & Stern, 2018 (Adafactor); Mishchenko & Defazio, 2024 (Prodigy).
   """
-  bound = prodigy_factored.__signature__.bind(*args, **kwargs)
-  bound.apply_defaults()
-  return prodigy(**bound.arguments, factored=True)
-
-
-prodigy_factored.__signature__ = inspect.signature(prodigy).replace(
-    parameters=[p.replace(default=_FACTORED.get(p.name, p.default))
-                for p in inspect.signature(prodigy).parameters.values()
-                if p.name != "factored"])
+  return prodigy(
+      learning_rate=learning_rate, b1=b1, b2=b2, b3=b3, eps=eps,
+      weight_decay=weight_decay, decouple=decouple,
+      use_bias_correction=use_bias_correction,
+      safeguard_warmup=safeguard_warmup, d0=d0, d_coef=d_coef,
+      growth_rate=growth_rate, slice_p=slice_p, factored=True,
+      update_clip=update_clip, eps2=eps2, lagged_d=lagged_d,
+      state_dtype=state_dtype, bias_corrected_clip=bias_corrected_clip)
 
 
 def stable_adamw(

@@ -33,6 +33,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional, Union
 
 import chex
@@ -113,19 +114,6 @@ def scale_by_factored_second_moment(
   validation.check_positive("eps", eps, allow_zero=True)
   validation.check_positive("eps2", eps2, allow_zero=True)
 
-  def factored(p) -> bool:
-    return p.ndim >= 2 and min(p.shape[-2:]) >= min_dim_size_to_factor
-
-  def init_mean(p, axis):  # zeros_like of the mean: the update's sharding
-    if not factored(p):
-      return jnp.zeros((1,), p.dtype)
-    return jnp.zeros_like(jnp.mean(p, axis=axis), dtype=p.dtype)
-
-  def init_v(p):
-    if factored(p):
-      return jnp.zeros((1,), p.dtype)
-    return jnp.zeros_like(p, dtype=state_dtype)
-
   def init_fn(params):
     if validation.is_abstract(params):
       return jax.eval_shape(init_fn, params)
@@ -135,9 +123,12 @@ def scale_by_factored_second_moment(
           else None)
     return ScaleByFactoredSecondMomentState(
         jnp.zeros([], jnp.int32), mu,
-        jax.tree.map(lambda p: init_mean(p, -1), params),
-        jax.tree.map(lambda p: init_mean(p, -2), params),
-        jax.tree.map(init_v, params))
+        jax.tree.map(lambda p: _init_mean(p, -1, min_dim_size_to_factor),
+                     params),
+        jax.tree.map(lambda p: _init_mean(p, -2, min_dim_size_to_factor),
+                     params),
+        jax.tree.map(lambda p: _init_v(p, min_dim_size_to_factor,
+                                       state_dtype), params))
 
   def update_fn(updates, state, params=None, *, d_ratio=1.0, d_growth=1.0,
                 **extra_args):
@@ -148,20 +139,10 @@ def scale_by_factored_second_moment(
     decay = b2(count) if callable(b2) else b2
     scale = d_ratio**2
 
-    def update_moment(g, row, col, v):
-      g2 = jnp.square(g.astype(jnp.float32)) + eps2
-      if not factored(g):
-        v = rescale_moment(v, decay, scale, g2)
-        return row, col, v, v.astype(jnp.float32)
-      row = rescale_moment(row, decay, scale, jnp.mean(g2, axis=-1))
-      col = rescale_moment(col, decay, scale, jnp.mean(g2, axis=-2))
-      r32 = row.astype(jnp.float32)
-      row_factor = r32 / jnp.mean(r32, axis=-1, keepdims=True)
-      v_hat = row_factor[..., :, None] * col.astype(jnp.float32)[..., None, :]
-      return row, col, v, v_hat
-
     leaves, treedef = jax.tree.flatten(updates)
-    moments = [update_moment(*leaf) for leaf in zip(
+    moment = functools.partial(_update_moment, decay=decay, scale=scale,
+                               eps2=eps2, min_dim=min_dim_size_to_factor)
+    moments = [moment(*leaf) for leaf in zip(
         leaves, *(treedef.flatten_up_to(t)
                   for t in (state.row, state.col, state.v)))]
     row, col, v, v_hat = (treedef.unflatten(list(part))
@@ -176,3 +157,37 @@ def scale_by_factored_second_moment(
     return out, ScaleByFactoredSecondMomentState(count, mu, row, col, v)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _factored(p: jax.Array, min_dim: int) -> bool:
+  """Whether leaf ``p``'s second moment is factored."""
+  return p.ndim >= 2 and min(p.shape[-2:]) >= min_dim
+
+
+def _init_mean(p: jax.Array, axis: int, min_dim: int) -> jax.Array:
+  """Zeros like the mean of ``p`` over ``axis`` (the update's sharding), or
+  a placeholder for an unfactored leaf."""
+  if not _factored(p, min_dim):
+    return jnp.zeros((1,), p.dtype)
+  return jnp.zeros_like(jnp.mean(p, axis=axis), dtype=p.dtype)
+
+
+def _init_v(p: jax.Array, min_dim: int, state_dtype) -> jax.Array:
+  """The full second moment of an unfactored leaf, or a placeholder."""
+  if _factored(p, min_dim):
+    return jnp.zeros((1,), p.dtype)
+  return jnp.zeros_like(p, dtype=state_dtype)
+
+
+def _update_moment(g, row, col, v, *, decay, scale, eps2, min_dim):
+  """One leaf's new ``(row, col, v)`` and its float32 ``v^``."""
+  g2 = jnp.square(g.astype(jnp.float32)) + eps2
+  if not _factored(g, min_dim):
+    v = rescale_moment(v, decay, scale, g2)
+    return row, col, v, v.astype(jnp.float32)
+  row = rescale_moment(row, decay, scale, jnp.mean(g2, axis=-1))
+  col = rescale_moment(col, decay, scale, jnp.mean(g2, axis=-2))
+  r32 = row.astype(jnp.float32)
+  row_factor = r32 / jnp.mean(r32, axis=-1, keepdims=True)
+  v_hat = row_factor[..., :, None] * col.astype(jnp.float32)[..., None, :]
+  return row, col, v, v_hat

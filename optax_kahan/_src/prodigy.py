@@ -263,6 +263,91 @@ class _Hyper(NamedTuple):
   state_dtype: Optional[jnp.dtype]
 
 
+class _LeafState(NamedTuple):
+  """One leaf's part of Prodigy's state in the per-leaf stages."""
+  s: jax.Array
+  x0: jax.Array
+  preconditioner: Any
+  late: Any = None  # with lagged_d: this step's sums, for the next step
+
+
+class _Step(NamedTuple):
+  """The step's scalars, from the state at its start."""
+  d: jax.Array
+  dlr: jax.Array  # d * lr * bias correction
+  weight: jax.Array  # of the sums in r: d / d0 * dlr
+  d_ratio: jax.Array  # d_prev / d, for the preconditioner
+  frozen: jax.Array  # lr == 0: prodigyopt skips the whole step
+
+
+def _fold_pending(hp: _Hyper, state: ScaleByProdigyState
+                  ) -> ScaleByProdigyState:
+  """With ``lagged_d``: the previous step's sums folded into ``d``."""
+  sums = state.pending.sums
+  new = _next_d(state, hp.b3 * state.numerator + sums[0], sums[1], d0=hp.d0,
+                d_coef=hp.d_coef, growth_rate=hp.growth_rate)
+  return state._replace(
+      k=jnp.where(new.skip, state.k, optax.safe_increment(state.k)),
+      d=new.d, d_prev=state.d, d_max=new.d_max, numerator=new.numerator)
+
+
+def _step(hp: _Hyper, state: ScaleByProdigyState) -> _Step:
+  """``d``, the learning rate and the weights this step uses."""
+  dtype = state.d.dtype
+  lr = hp.learning_rate
+  lr = jnp.asarray(lr(state.count) if callable(lr) else lr, dtype)
+  bc = 1.0
+  if hp.bias_correction is not None:
+    b1, b2 = (jnp.asarray(b, dtype) for b in hp.bias_correction)
+    kf = (state.k + 1).astype(dtype)
+    bc = jnp.sqrt(1 - b2**kf) / (1 - b1**kf)
+  dlr = state.d * lr * bc
+  return _Step(state.d, dlr, (state.d / hp.d0) * dlr, state.d_prev / state.d,
+               lr == 0)
+
+
+def _preconditioner_stages(preconditioner, updates, state, params, step,
+                           **extra_args) -> per_leaf.LeafStages:
+  """The preconditioner's stages, which must have no round of their own."""
+  pst, reason = traced.stages_of(
+      preconditioner, updates, state.preconditioner_state, params,
+      d_ratio=step.d_ratio, d_growth=jnp.ones([], state.d.dtype),
+      **extra_args)
+  if pst is None or pst.rounds:
+    raise ValueError(
+        "scale_by_prodigy: the preconditioner "
+        + (f"has no per-leaf form ({reason})" if pst is None else
+           "sums over the leaves itself") + "; build it from "
+        "transformations that act leaf by leaf, and clip the gradients "
+        "by their global norm before Prodigy (optax_kahan.per_leaf.chain)")
+  return pst
+
+
+def _finish(hp: _Hyper, state: ScaleByProdigyState, step: _Step,
+            pst: per_leaf.LeafStages, states: list[_LeafState],
+            shared: "_Shared") -> ScaleByProdigyState:
+  """The new state from the leaves' and the shared values."""
+  new = state._replace(
+      s=jax.tree.unflatten(jax.tree.structure(state.s),
+                           [ls.s for ls in states]),
+      preconditioner_state=pst.finish([ls.preconditioner for ls in states],
+                                      shared.pshared))
+  old = state
+  if hp.lagged_d:
+    sums = per_leaf.total([ls.late for ls in states])
+    new = new._replace(pending=per_leaf.LateSums(
+        jnp.stack([step.weight * sums[0], sums[1]])))
+    old = state._replace(pending=per_leaf.LateSums(
+        jnp.zeros_like(state.pending.sums)))
+  else:
+    new = new._replace(
+        k=jnp.where(shared.skip, state.k, optax.safe_increment(state.k)),
+        d=shared.d, d_prev=step.d, d_max=shared.d_max,
+        numerator=shared.numerator)
+  new = jax.tree.map(lambda n, o: jnp.where(step.frozen, o, n), new, old)
+  return new._replace(count=optax.safe_increment(state.count))
+
+
 def _stages(hp: _Hyper, preconditioner: optax.GradientTransformationExtraArgs,
             updates: Any, state: ScaleByProdigyState, params: Any,
             **extra_args: Any) -> per_leaf.LeafStages:
@@ -275,88 +360,45 @@ def _stages(hp: _Hyper, preconditioner: optax.GradientTransformationExtraArgs,
   validation.check_state("scale_by_prodigy", state, ScaleByProdigyState)
   lr = hp.learning_rate
   _warn_if_narrow(params, hp.d0 * (1.0 if callable(lr) else lr))
-  next_d = functools.partial(_next_d, d0=hp.d0, d_coef=hp.d_coef,
-                             growth_rate=hp.growth_rate)
-  if hp.lagged_d:  # the previous step's sums, folded into d
-    sums = state.pending.sums
-    new = next_d(state, hp.b3 * state.numerator + sums[0], sums[1])
-    state = state._replace(
-        k=jnp.where(new.skip, state.k, optax.safe_increment(state.k)),
-        d=new.d, d_prev=state.d, d_max=new.d_max, numerator=new.numerator)
+  if hp.lagged_d:
+    state = _fold_pending(hp, state)
+  step = _step(hp, state)
   dtype = state.d.dtype
-  lr = jnp.asarray(lr(state.count) if callable(lr) else lr, dtype)
-  d = state.d
-  bc = 1.0
-  if hp.bias_correction is not None:
-    b1, b2 = (jnp.asarray(b, dtype) for b in hp.bias_correction)
-    kf = (state.k + 1).astype(dtype)
-    bc = jnp.sqrt(1 - b2**kf) / (1 - b1**kf)
-  dlr = d * lr * bc
-  weight = (d / hp.d0) * dlr
   sums_of = functools.partial(
       _statistics, slice_p=hp.slice_p, b3=jnp.asarray(hp.b3, dtype),
-      dtype=dtype, s_weight=(d / hp.d0) * d if hp.safeguard_warmup else weight)
-  d_ratio = state.d_prev / d
-  frozen = lr == 0  # prodigyopt skips the whole step, moments included.
-  pst, reason = traced.stages_of(
-      preconditioner, updates, state.preconditioner_state, params,
-      d_ratio=d_ratio, d_growth=jnp.ones([], dtype), **extra_args)
-  if pst is None or pst.rounds:
-    raise ValueError(
-        "scale_by_prodigy: the preconditioner "
-        + (f"has no per-leaf form ({reason})" if pst is None else
-           "sums over the leaves itself") + "; build it from "
-        "transformations that act leaf by leaf, and clip the gradients "
-        "by their global norm before Prodigy (optax_kahan.per_leaf.chain)")
+      dtype=dtype, s_weight=((step.d / hp.d0) * step.d
+                             if hp.safeguard_warmup else step.weight))
+  pst = _preconditioner_stages(preconditioner, updates, state, params, step,
+                               **extra_args)
 
   def statistic(g, ls, x, shared, **extra):
     del shared, extra
-    stat, s = sums_of(g, x, ls[1], ls[0])
-    return stat, (s, *ls[1:])
+    stat, s = sums_of(g, x, ls.x0, ls.s)
+    return stat, ls._replace(s=s)
 
   def combine(sums, shared):
-    new = next_d(state, hp.b3 * state.numerator + weight * sums[0], sums[1])
-    return new._replace(d_growth=new.d / d, pshared=shared.pshared)
+    new = _next_d(state, hp.b3 * state.numerator + step.weight * sums[0],
+                  sums[1], d0=hp.d0, d_coef=hp.d_coef,
+                  growth_rate=hp.growth_rate)
+    return new._replace(d_growth=new.d / step.d, pshared=shared.pshared)
 
   def update(g, ls, x, shared, **extra):
-    s, x0, ps = ls
-    late = None
-    if hp.lagged_d:  # this step's sums, folded into d at the next step
-      late, s = sums_of(g, x, x0, s)
-    u, ps = pst.update(g, ps, x, shared.pshared, d_ratio=d_ratio,
-                       d_growth=shared.d_growth, **extra)
-    step = -dlr * (u.astype(dtype) + hp.weight_decay * x.astype(dtype))
-    step = jnp.where(shared.skip | frozen, 0, step).astype(u.dtype)
-    return step, (s, x0, ps, late)
+    late, s = sums_of(g, x, ls.x0, ls.s) if hp.lagged_d else (None, ls.s)
+    u, ps = pst.update(g, ls.preconditioner, x, shared.pshared,
+                       d_ratio=step.d_ratio, d_growth=shared.d_growth,
+                       **extra)
+    delta = -step.dlr * (u.astype(dtype) + hp.weight_decay * x.astype(dtype))
+    delta = jnp.where(shared.skip | step.frozen, 0, delta).astype(u.dtype)
+    return delta, _LeafState(s, ls.x0, ps, late)
 
-  def finish(states, shared):
-    new = state._replace(
-        s=jax.tree.unflatten(jax.tree.structure(state.s),
-                             [ls[0] for ls in states]),
-        preconditioner_state=pst.finish([ls[2] for ls in states],
-                                        shared.pshared))
-    old = state
-    if hp.lagged_d:
-      sums = per_leaf.total([ls[3] for ls in states])
-      new = new._replace(pending=per_leaf.LateSums(
-          jnp.stack([weight * sums[0], sums[1]])))
-      old = state._replace(pending=per_leaf.LateSums(
-          jnp.zeros_like(state.pending.sums)))
-    else:
-      new = new._replace(
-          k=jnp.where(shared.skip, state.k, optax.safe_increment(state.k)),
-          d=shared.d, d_prev=d, d_max=shared.d_max,
-          numerator=shared.numerator)
-    new = jax.tree.map(lambda n, o: jnp.where(frozen, o, n), new, old)
-    return new._replace(count=optax.safe_increment(state.count))
-
-  shared = _Shared(d, state.d_max, state.numerator, jnp.zeros([], bool),
+  shared = _Shared(step.d, state.d_max, state.numerator, jnp.zeros([], bool),
                    jnp.ones([], dtype), pst.shared)
   return per_leaf.LeafStages(
-      list(zip(jax.tree.leaves(state.s), jax.tree.leaves(state.params0),
-               pst.leaf_states)), shared,
+      [_LeafState(s, x0, ps) for s, x0, ps in zip(
+          jax.tree.leaves(state.s), jax.tree.leaves(state.params0),
+          pst.leaf_states)], shared,
       () if hp.lagged_d else (per_leaf.Round(statistic, combine),), update,
-      finish)
+      functools.partial(_finish, hp, state, step, pst))
 
 
 def _statistics(g, x, x0, s, *, slice_p, b3, s_weight, dtype):

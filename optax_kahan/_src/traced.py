@@ -174,87 +174,87 @@ class _Program:
     A call whose operands come from two leaves (optax's ``jit`` of a
     function over the tree) is inlined: its body's equations take its place,
     so that each leaf's part of it can go into that leaf's row."""
-    label = {}
+    self.labels, self.levels = {}, {}
     for i in range(self.n):
-      label[self.grads[i]] = frozenset([i])
+      self.labels[self.grads[i]] = frozenset([i])
       if self.params[i] is not None:
-        label[self.params[i]] = frozenset([i])
-    level = {}
-    self.eqns, self.globals, is_global = [], [], set()
-    read = lambda v: (frozenset() if _is_literal(v)
-                      else label.get(v, frozenset()))
-
-    def visit(eqns, names, top):
-      for eqn in eqns:
-        get = lambda v: v if _is_literal(v) else names.get(v, v)
-        invars = [get(v) for v in eqn.invars]
-        if eqn.effects:
-          return f"its update has effects ({eqn.primitive})"
-        ins = frozenset().union(*(read(v) for v in invars))
-        body = _call_body(eqn) if len(ins) > 1 else None
-        if body is not None:
-          jaxpr, consts = body
-          inner = dict(zip(jaxpr.invars, invars))
-          for var, c in zip(jaxpr.constvars, consts):
-            inner[var] = _Inner(var.aval)
-            self.consts[inner[var]] = c
-          reason = visit(jaxpr.eqns, inner, False)
-          if reason:
-            return reason
-          for v, w in zip(eqn.outvars, jaxpr.outvars):
-            names[v] = w if _is_literal(w) else inner.get(w, w)
-          continue
-        outvars = []
-        for v in eqn.outvars:
-          if not top and not isinstance(v, _DROP):
-            names[v] = _Inner(v.aval)
-          outvars.append(names.get(v, v))
-        reason = one(_Eqn(eqn.primitive, eqn.params, invars, outvars,
-                          eqn.effects, getattr(eqn, "ctx", None)), ins)
-        if reason:
-          return reason
-      return ""
-
-    def one(eqn, ins):
-      # Two leaves meet (a sum), or a small value carries a shared one on
-      # (the rest of a sum over the leaves, in the program's order).
-      shared = len(ins) > 1 or (
-          ins and any(v in is_global for v in eqn.invars
-                      if not _is_literal(v))
-          and all(_size(v) <= MAX_CARRIED for v in eqn.outvars))
-      for v in eqn.outvars:
-        if shared and _size(v) > MAX_SHARED:
-          a, b = sorted(ins)[:2]
-          return (f"its values for leaves {self.paths[a]} and "
-                  f"{self.paths[b]} meet in one array of "
-                  f"{_size(v)} elements ({eqn.primitive}), not in a sum")
-      lvl = max([level.get(v, 0) + (1 if shared and read(v) else 0)
-                 for v in eqn.invars if not _is_literal(v)], default=0)
-      for v in eqn.outvars:
-        label[v] = frozenset() if shared else ins
-        level[v] = lvl
-      if shared:
-        self.globals.extend(v for v in eqn.outvars
-                            if not isinstance(v, _DROP))
-        is_global.update(eqn.outvars)
-      self.eqns.append(eqn)
-      return ""
-
+        self.labels[self.params[i]] = frozenset([i])
+    self.eqns, self.globals, self._is_global = [], [], set()
     names = {}
-    reason = visit(self.jaxpr.eqns, names, True)
+    reason = self._visit(self.jaxpr.eqns, names, True)
     if reason:
       return reason
     self.outs = [v if _is_literal(v) else names.get(v, v)
                  for v in self.jaxpr.outvars]
     self.producer = {v: e for e, eqn in enumerate(self.eqns)
                      for v in eqn.outvars}
-    self.labels, self.levels = label, level
-    self.passes = max([level[v] for v in self.globals], default=0)
+    self.passes = max([self.levels[v] for v in self.globals], default=0)
     for i, u in enumerate(self.outs[:self.n]):
-      other = sorted(read(u) - {i})
+      other = sorted(self._read(u) - {i})
       if other:
         return (f"its update of leaf {self.paths[i]} reads leaf "
                 f"{self.paths[other[0]]}")
+    return ""
+
+  def _read(self, v) -> frozenset:
+    """The leaves value ``v`` reads."""
+    return frozenset() if _is_literal(v) else self.labels.get(v, frozenset())
+
+  def _visit(self, eqns, names: dict, top: bool) -> str:
+    """Labels ``eqns`` (``names`` renames an inlined body's variables)."""
+    for eqn in eqns:
+      get = lambda v: v if _is_literal(v) else names.get(v, v)
+      invars = [get(v) for v in eqn.invars]
+      if eqn.effects:
+        return f"its update has effects ({eqn.primitive})"
+      ins = frozenset().union(*(self._read(v) for v in invars))
+      body = _call_body(eqn) if len(ins) > 1 else None
+      if body is not None:
+        jaxpr, consts = body
+        inner = dict(zip(jaxpr.invars, invars))
+        for var, c in zip(jaxpr.constvars, consts):
+          inner[var] = _Inner(var.aval)
+          self.consts[inner[var]] = c
+        reason = self._visit(jaxpr.eqns, inner, False)
+        if reason:
+          return reason
+        for v, w in zip(eqn.outvars, jaxpr.outvars):
+          names[v] = w if _is_literal(w) else inner.get(w, w)
+        continue
+      outvars = []
+      for v in eqn.outvars:
+        if not top and not isinstance(v, _DROP):
+          names[v] = _Inner(v.aval)
+        outvars.append(names.get(v, v))
+      reason = self._one(_Eqn(eqn.primitive, eqn.params, invars, outvars,
+                              eqn.effects, getattr(eqn, "ctx", None)), ins)
+      if reason:
+        return reason
+    return ""
+
+  def _one(self, eqn: "_Eqn", ins: frozenset) -> str:
+    """Labels one equation's outputs; a value two leaves meet in, or a small
+    value carrying a shared one on (the rest of a sum over the leaves, in
+    the program's order), is shared: computed between passes."""
+    shared = len(ins) > 1 or (
+        ins and any(v in self._is_global for v in eqn.invars
+                    if not _is_literal(v))
+        and all(_size(v) <= MAX_CARRIED for v in eqn.outvars))
+    for v in eqn.outvars:
+      if shared and _size(v) > MAX_SHARED:
+        a, b = sorted(ins)[:2]
+        return (f"its values for leaves {self.paths[a]} and "
+                f"{self.paths[b]} meet in one array of "
+                f"{_size(v)} elements ({eqn.primitive}), not in a sum")
+    lvl = max([self.levels.get(v, 0) + (1 if shared and self._read(v) else 0)
+               for v in eqn.invars if not _is_literal(v)], default=0)
+    for v in eqn.outvars:
+      self.labels[v] = frozenset() if shared else ins
+      self.levels[v] = lvl
+    if shared:
+      self.globals.extend(v for v in eqn.outvars if not isinstance(v, _DROP))
+      self._is_global.update(eqn.outvars)
+    self.eqns.append(eqn)
     return ""
 
   def plan(self, out_paths: list[str]) -> None:
