@@ -482,9 +482,9 @@ def training_configurations() -> dict[str, tuple[Callable, bool]]:
 def to_markdown(r: dict) -> str:
   lines = [f"Compiled for {r['target_name']}, not run ({r['date']}, jax "
            f"{r['jax']}). {r['shapes']}.", "",
-           "| step | device peak GB | B/param | temp B/param | host GB | "
-           "conditionals | H2D / D2H copies | staging B/param (largest "
-           "leaves) | copies overlapped | both ways | est. ms |",
+           "| step | peak GB | B/param | temp B/param | host GB | conds | "
+           "H2D / D2H | staging B/param (leaves) | overlapped | both ways "
+           "| est. ms |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, v in r["rows"].items():
     staged = (f"{v['staging_B_per_param']:.3f} "

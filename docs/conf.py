@@ -25,6 +25,8 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    # MathJax served from the site's own _static/ (it renders offline).
+    "sphinx-mathjax-offline",
 ]
 
 source_suffix = {".md": "markdown"}
@@ -32,7 +34,7 @@ exclude_patterns = ["_build"]
 myst_enable_extensions = ["dollarmath", "colon_fence"]
 myst_heading_anchors = 3
 
-# The API reference is written by hand as autodoc entries (docs/api/*.md);
+# The API reference is written by hand as autodoc entries (docs/api.md);
 # autosummary only draws the overview tables, with no generated pages.
 autosummary_generate = False
 autodoc_member_order = "bysource"
@@ -47,4 +49,5 @@ nitpicky = False
 
 html_theme = "furo"
 html_title = "optax_kahan"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["fit.css"]

@@ -11,16 +11,22 @@
   and every function it defines compiles at most once. A block preceded by
   ``<!-- test: slow -->`` runs in the slow suite.
 * The docstrings' examples run (doctest), with their output checked.
+* Where headless Chromium is installed: offline, at 1280 and 1024 px, every
+  page's math is typeset by the site's own MathJax and no table or code block
+  is wider than its box.
 """
 
 from __future__ import annotations
 
 import ast
 import doctest
+import html
 import html.parser
+import json
 import logging
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import urllib.parse
@@ -260,3 +266,44 @@ def test_readme_links_resolve():
       if url.fragment not in {_slug(h) for h in headings}:
         broken.append(href)
   assert not broken, broken
+
+
+# In a page, after MathJax has run: the tables and code blocks wider than
+# their box, and how many formulas MathJax typeset.
+_FIT_PROBE = """<script>window.addEventListener("load", () => setTimeout(() => {
+  const wide = [...document.querySelectorAll("article table, article pre")]
+    .filter(e => e.scrollWidth > e.clientWidth + 1)
+    .map(e => e.tagName + ": " + e.innerText.slice(0, 60).replace(/\\s+/g, " "));
+  const math = document.querySelectorAll("mjx-container").length;
+  document.body.setAttribute("data-fit", JSON.stringify({wide, math}));
+}, 3000));</script>"""
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None,
+                    reason="needs headless Chromium (Debian: apt install chromium)")
+@pytest.mark.parametrize("width", [1280, 1024])
+def test_pages_fit_and_math_renders_offline(site, tmp_path, width):
+  copy = tmp_path / "site"
+  shutil.copytree(site, copy)
+  pages = [p for p in copy.rglob("*.html") if "_static" not in p.parts
+           and p.name not in ("genindex.html", "search.html")]
+  for page in pages:
+    text = page.read_text()
+    assert "cdn.jsdelivr.net" not in text, f"{page.name} loads MathJax online"
+    page.write_text(text.replace("</body>", _FIT_PROBE + "</body>"))
+    out = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu",
+         "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}",
+         f"--window-size={width},2000", "--virtual-time-budget=20000",
+         "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120).stdout
+    found = re.search(r'data-fit="([^"]*)"', out)
+    assert found, f"{page.relative_to(copy)}: the probe did not run"
+    fit = json.loads(html.unescape(found.group(1)))
+    assert not fit["wide"], (page.relative_to(copy), width, fit["wide"])
+    source = (DOCS / page.relative_to(copy)).with_suffix(".md")
+    if source.exists() and re.search(r"\$\$|{math}|\.\. math::",
+                                     source.read_text()):
+      assert fit["math"] > 0, f"{source.name}: its math was not typeset"
