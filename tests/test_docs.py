@@ -307,3 +307,58 @@ def test_pages_fit_and_math_renders_offline(site, tmp_path, width):
     if source.exists() and re.search(r"\$\$|{math}|\.\. math::",
                                      source.read_text()):
       assert fit["math"] > 0, f"{source.name}: its math was not typeset"
+
+
+# -- figures -------------------------------------------------------------------
+RESULTS = ROOT / "benchmarks" / "results"
+# A figure: a signed decimal with its unit.
+_FIGURE = re.compile(r"(?<![\w.])([-−]?\d+\.(\d+))\s?"
+                     r"(GB|GiB|MiB|KiB|ms|×|%|B/param)(?!\w)")
+GIB = 2**30 / 1e9
+# Figures the prose derives from held ones: the formula, from those figures.
+DERIVED = {
+    "25.77 GB": 24 * GIB,  # a 24 GiB card, in GB
+    "34.4 GB": 32 * GIB,  # a 32 GiB card
+    "28.16 GB": 23.80 + 4.36,  # the bf16 weights plus the inner state
+    # a card's margin: its GiB, less 0.5 GB of CUDA context, less the peak
+    "2.13 GB": 32 * GIB - 0.5 - 31.73,
+    "17.65 GB": 48 * GIB - 0.5 - 33.39,
+    "29.70 GB": 80 * GIB - 0.5 - 55.70,
+}
+
+
+def _held_numbers() -> list[float]:
+  text = "\n".join(p.read_text() for p in RESULTS.rglob("*")
+                   if p.suffix in (".md", ".json", ".txt"))
+  return sorted(abs(float(x)) for x in
+                re.findall(r"\d+\.\d+(?:e[-+]?\d+)?", text))
+
+
+def _held(value: float, decimals: int, numbers: list[float]) -> bool:
+  """Some result rounds to ``value`` at the figure's precision (signs aside:
+  the prose says "saves" or "costs")."""
+  tol = 0.5 * 10.0**-decimals * (1 + 1e-9)
+  return any(abs(n - value) <= tol for n in numbers)
+
+
+def test_every_figure_comes_from_a_committed_result():
+  """Each figure of the README and the docs (a decimal with a unit) is one
+  that a committed results file holds, at the figure's precision, or one of
+  ``DERIVED``, computed from held figures."""
+  numbers = _held_numbers()
+  for figure, value in DERIVED.items():
+    decimals = len(figure.split()[0].split(".")[1])
+    assert abs(round(value, decimals) - float(figure.split()[0])) < 1e-9, (
+        figure, value)
+  missing = []
+  for source in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+    if "_build" in source.parts:
+      continue
+    for m in _FIGURE.finditer(source.read_text()):
+      value = abs(float(m.group(1).replace("−", "-")))
+      decimals = len(m.group(2))
+      held = _held(value, decimals, numbers) or (  # a percentage of a fraction
+          m.group(3) == "%" and _held(value / 100, decimals + 2, numbers))
+      if m.group(0) not in DERIVED and not held:
+        missing.append(f"{source.relative_to(ROOT)}: {m.group(0)}")
+  assert not missing, "figures no results file holds:\n" + "\n".join(missing)
