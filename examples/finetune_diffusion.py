@@ -1087,6 +1087,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   if bad or not rules:
     p.error(f"--rules: unknown {bad}; choose from {','.join(RULES)}")
   args.rules = [r for r in RULES if r in rules]  # canonical order
+  if args.blockwise and "stochastic" in args.rules:
+    # Its noise keys are folded in per leaf of the whole tree: a group's own
+    # leaf indices would draw another noise stream, which blockwise_step
+    # refuses as another optimizer.
+    args.rules.remove("stochastic")
+    print("--blockwise: the stochastic rule is left out (its noise keys are "
+          "drawn per leaf of the whole tree; blockwise_step updates groups "
+          "of leaves, which would draw others)")
   if args.lr is None:
     args.lr = DEFAULT_LR[args.optimizer]
   return args

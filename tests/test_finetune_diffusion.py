@@ -73,3 +73,11 @@ def test_finetune_diffusion_blockwise_smoke(tmp_path):
   for rule in ("float32", "kahan"):
     assert table[rule]["heldout_loss"] == pytest.approx(
         ordinary[rule]["heldout_loss"], rel=1e-5), rule
+
+
+def test_blockwise_leaves_out_the_stochastic_rule_and_says_so(capsys):
+  example = example_module.load()
+  assert example.parse_args(["--blockwise"]).rules == [
+      "float32", "nearest", "kahan"]
+  assert "the stochastic rule is left out" in capsys.readouterr().out
+  assert "stochastic" in example.parse_args([]).rules
