@@ -152,3 +152,20 @@ def test_streaming_quick_models_every_setup():
   # updated once outside the loop, have none)
   assert one["host_bytes"] < plain["host_bytes"] < 2 * one["host_bytes"]
   assert streamed["h2d_bytes"] > plain["h2d_bytes"]
+
+
+@pytest.mark.slow
+def test_host_compute_spike_reads_the_host_call(tmp_path):
+  _need_plugin()
+  out = subprocess.run(
+      [sys.executable, "-m", "benchmarks.host_compute", "--n", "256",
+       "--tag", "quick"], cwd=ROOT, capture_output=True, text=True,
+      timeout=600)
+  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+  with open(os.path.join(ROOT, "benchmarks", "results",
+                         "host_compute_quick.json")) as f:
+    rows = json.load(f)["rows"]
+  for name, row in rows.items():
+    assert row["compiles"] and row["host_calls"] == 1, (name, row)
+  # with its hyperparameters in host memory, the host reads no device memory
+  assert rows["an array in host memory"]["device_operands"] == 0
