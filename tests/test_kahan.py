@@ -1,6 +1,7 @@
 """Kahan-compensated bf16 updates: bit-exact float32 semantics, offload, optax/Flax use."""
 
 import functools
+import warnings
 
 import flax.linen
 import jax
@@ -435,3 +436,25 @@ def test_kahan_on_float32_params_warns_that_it_compensates_nothing():
   with pytest.warns(ok.OptaxKahanWarning, match="none of the params' 1 leaves "
                     "is bfloat16.*param_dtype=jnp.bfloat16"):
     ok.kahan(optax.adam(1e-3), offload=False).init(params)
+
+
+def test_staged_residuals_are_not_checked_against_offload():
+  # The blockwise step brings host residuals into device memory itself and
+  # says so with kahan_staged=True (kahan declares it: it never reaches the
+  # inner transformation's rows); without it, device residuals under
+  # offload=True warn, naming the leaf.
+  tx = ok.kahan(optax.sgd(1e-3))
+  assert "kahan_staged" in tx.update.static
+  params = jax.device_put({"w": jnp.ones(4, jnp.bfloat16)}, jax.devices()[0])
+  state = tx.init(params)
+  on_device = ok.kahan_replace_residuals(
+      state, jax.device_put(ok.kahan_residuals(state), jax.memory.Space.Device))
+  grads = {"w": jnp.full(4, 0.5, jnp.float32)}
+  with pytest.warns(ok.OptaxKahanWarning, match=r"\['w'\]"):
+    tx.update(grads, on_device, params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ok.OptaxKahanWarning)
+    updates, new = tx.update(grads, on_device, params, kahan_staged=True)
+  staged = optax.apply_updates(params, updates)
+  plain = optax.apply_updates(params, tx.update(grads, state, params)[0])
+  np.testing.assert_array_equal(staged["w"], plain["w"])

@@ -647,8 +647,14 @@ def _forward_stack(block, stack, carry, consts):
 
 
 def _update(tx: optax.GradientTransformation, grads: Any, state: Any,
-            params: Any) -> tuple[Any, Any]:
-  updates, state = tx.update(grads, state, params)
+            params: Any, staged: bool = False) -> tuple[Any, Any]:
+  """``params`` updated by ``tx``. ``staged``: this step brought the state's
+  host arrays into device memory and sends them back, which a ``kahan``
+  (one that declares ``kahan_staged``) is told."""
+  extra = ({"kahan_staged": True}
+           if staged and "kahan_staged" in getattr(tx.update, "static", ())
+           else {})
+  updates, state = tx.update(grads, state, params, **extra)
   return optax.apply_updates(params, updates), state
 
 
@@ -798,9 +804,8 @@ def _step_block(tx, block, leaves, treedef, staged, k, inputs, consts, ct):
   # On the CPU, XLA would fuse the block's update into the stacks' in-place
   # writes, recomputing the new moments there from the old stacked ones,
   # and then copy every stack the loop carries; an island prevents it.
-  with validation.staged_by_caller():
-    new = jax.tree.leaves(per_leaf.apart_on_cpu(
-        functools.partial(_update, tx), grads, state, params))
+  new = jax.tree.leaves(per_leaf.apart_on_cpu(
+      functools.partial(_update, tx, staged=True), grads, state, params))
   pending = [y if per_leaf.on_host(x) else None for x, y in zip(leaves, new)]
   leaves = [x if per_leaf.on_host(x)
             else lax.dynamic_update_index_in_dim(x, y, k, 0)

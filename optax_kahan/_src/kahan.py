@@ -375,18 +375,24 @@ def kahan(
   stages = functools.partial(_stages, inner, rounding, offload)
   whole_tree = functools.partial(_whole_tree, inner, rounding, offload)
   return per_leaf.transformation(init_fn, stages, ordered=True, parts=(inner,),
-                                 whole_tree=whole_tree)
+                                 whole_tree=whole_tree,
+                                 static=("kahan_staged",))
 
 
-def _checked(updates: Any, state: KahanState, params: Any, offload: bool):
+def _checked(updates: Any, state: KahanState, params: Any, offload: bool,
+             staged: bool):
   """The residuals one per gradient leaf, after the checks, and the function
   that makes the residual tree of the new ones (each back in the memory its
-  old one came from)."""
+  old one came from). ``staged``: the caller brought the residuals into
+  device memory and sends the new ones back (the blockwise step), so their
+  memory is not checked against ``offload``."""
   if params is None:
     raise ValueError("kahan(...).update needs params: call "
                      "tx.update(grads, state, params)")
   validation.check_state("kahan(...)", state, KahanState)
-  _check_memory(params, _check_residuals(params, state.residuals), offload)
+  lows = _check_residuals(params, state.residuals)
+  if not staged:
+    _check_memory(params, lows, offload)
   leaves_like(params, updates, "the updates (grads)")
   full = leaves_like(updates, state.residuals, "residuals")  # None grads too
   grads = jax.tree.structure(updates, is_leaf=is_none).flatten_up_to(updates)
@@ -401,11 +407,13 @@ def _checked(updates: Any, state: KahanState, params: Any, offload: bool):
   return lows, residuals
 
 
-def _stages(inner, rounding, offload, updates, state, params, **extra_args):
+def _stages(inner, rounding, offload, updates, state, params, *,
+            kahan_staged: bool = False, **extra_args):
   """``kahan``'s stages: ``inner``'s, each row merging its leaf's weight and
   residual and the last one splitting the sum; or, for an ``inner`` with no
   per-leaf form, the reason (after a warning)."""
-  lows, residuals = _checked(updates, state, params, offload)
+  lows, residuals = _checked(updates, state, params, offload,
+                             kahan_staged)
   exact_like = jax.tree.map(lambda p: jax.ShapeDtypeStruct(
       p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
   inner_st, reason = traced.stages_of(
@@ -446,11 +454,12 @@ def _stages(inner, rounding, offload, updates, state, params, **extra_args):
               zip(jax.tree.structure(updates).flatten_up_to(params), lows)])
 
 
-def _whole_tree(inner, rounding, offload, updates, state, params,
-                **extra_args):
+def _whole_tree(inner, rounding, offload, updates, state, params, *,
+                kahan_staged: bool = False, **extra_args):
   """``kahan``'s step for an ``inner`` with no per-leaf form: merge every
   leaf, ``inner.update`` on the whole tree, split every leaf."""
-  lows, residuals = _checked(updates, state, params, offload)
+  lows, residuals = _checked(updates, state, params, offload,
+                             kahan_staged)
   treedef = jax.tree.structure(updates)
   ps = treedef.flatten_up_to(params)
   x32 = [_exact(p, lo, rounding) for p, lo in zip(ps, lows)]
@@ -469,8 +478,6 @@ def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
   """Warns, naming the leaf and the fix, for residuals (``lows``, one per
   params leaf) outside the memory ``offload`` says. They stay there: a step
   whose output lands in another memory than a donated input aborts."""
-  if validation.is_staged_by_caller():
-    return
   misplaced = [path for path, lo in zip(paths(params), lows)
                if lo is not None and not isinstance(lo, optax.MaskedNode)
                and on_host(lo) != offload]

@@ -96,20 +96,25 @@ class PerLeafUpdate:
   as one whole-tree program (XLA fuses freely, as for optax's own) or, if
   ``ordered``, row by row (``for_each_leaf``). ``traced.stages_of`` reads
   ``stages``; ``parts`` are the transformations whose updates its rows run
-  on the same leaves (``kahan``'s inner one, a chain's members)."""
+  on the same leaves (``kahan``'s inner one, a chain's members); ``static``
+  the keyword arguments that only ``stages`` and ``whole_tree`` take (Python
+  values that shape the step, never passed to the rows)."""
 
   def __init__(self, stages: StagesFn, *, ordered: bool = False,
                whole_tree: Optional[Callable[..., Any]] = None,
-               parts: tuple[optax.GradientTransformation, ...] = ()):
+               parts: tuple[optax.GradientTransformation, ...] = (),
+               static: tuple[str, ...] = ()):
     self.stages = stages
     self.ordered = ordered
     self.whole_tree = whole_tree
     self.parts = parts
+    self.static = static
 
   def __call__(self, updates, state, params=None, **extra_args):
-    st = self.stages(updates, state, params, **extra_args)
+    static = {k: extra_args.pop(k) for k in self.static if k in extra_args}
+    st = self.stages(updates, state, params, **static, **extra_args)
     if not isinstance(st, LeafStages):
-      return self.whole_tree(updates, state, params, **extra_args)
+      return self.whole_tree(updates, state, params, **static, **extra_args)
     grads, treedef = jax.tree.flatten(updates)
     xs = ([None] * len(grads) if params is None
           else treedef.flatten_up_to(params))
@@ -121,6 +126,7 @@ def transformation(
     init: Callable[..., Any], stages: StagesFn, *, ordered: bool = False,
     whole_tree: Optional[Callable[..., Any]] = None,
     parts: tuple[optax.GradientTransformation, ...] = (),
+    static: tuple[str, ...] = (),
 ) -> optax.GradientTransformationExtraArgs:
   """A transformation that implements the per-leaf contract.
 
@@ -133,6 +139,9 @@ def transformation(
     whole_tree: the update where ``stages`` returns a reason.
     parts: the transformations ``stages`` runs on the same leaves, whose
       programs ``traced.same_rows`` checks in each group of leaves.
+    static: keyword arguments of ``update`` that go to ``stages`` and
+      ``whole_tree`` alone, not to the rows (e.g. ``kahan``'s
+      ``kahan_staged``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` is a
@@ -141,7 +150,7 @@ def transformation(
   """
   return optax.GradientTransformationExtraArgs(
       init, PerLeafUpdate(stages, ordered=ordered, whole_tree=whole_tree,
-                          parts=parts))
+                          parts=parts, static=static))
 
 
 # -- running the stages -----------------------------------------------------

@@ -9,8 +9,6 @@ or a training script can turn them into errors
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 import warnings
 from typing import Any, Callable, Optional
@@ -29,27 +27,6 @@ def warn(message: str, stacklevel: int) -> None:
   """``warnings.warn`` with the package's category (``stacklevel`` counts
   from the caller of ``warn``)."""
   warnings.warn(message, OptaxKahanWarning, stacklevel=stacklevel + 1)
-
-
-_STAGED = contextvars.ContextVar("optax_kahan_staged", default=False)
-
-
-@contextlib.contextmanager
-def staged_by_caller():
-  """Within it, the state handed to ``tx.update`` was brought into device
-  memory by the caller, which sends it back (the blockwise step's pipeline):
-  ``kahan`` takes device residuals as staged, without its warning about
-  residuals outside host memory, and returns the new ones in device memory."""
-  token = _STAGED.set(True)
-  try:
-    yield
-  finally:
-    _STAGED.reset(token)
-
-
-def is_staged_by_caller() -> bool:
-  """True inside ``staged_by_caller``."""
-  return _STAGED.get()
 
 
 def find(tree: Any, node_type: type) -> list[Any]:
