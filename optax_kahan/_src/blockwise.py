@@ -71,6 +71,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from optax_kahan._src import kahan
 from optax_kahan._src import per_leaf
 from optax_kahan._src import traced
 from optax_kahan._src import validation
@@ -131,6 +132,34 @@ class BlockwiseState(NamedTuple):
   embed: optax.OptState
   stacks: tuple[optax.OptState, ...]
   head: optax.OptState
+
+
+def _residuals_of(state: BlockwiseState) -> BlockwiseParams:
+  """``kahan_residuals`` of a blockwise state: each group's residuals (the
+  stacks' with their block axis)."""
+  return BlockwiseParams(
+      kahan.kahan_residuals(state.embed),
+      tuple(kahan.kahan_residuals(s) for s in state.stacks),
+      kahan.kahan_residuals(state.head))
+
+
+def _with_residuals(state: BlockwiseState,
+                    residuals: BlockwiseParams) -> BlockwiseState:
+  """``kahan_replace_residuals`` of a blockwise state, group by group."""
+  if (not isinstance(residuals, BlockwiseParams)
+      or len(residuals.stacks) != len(state.stacks)):
+    raise ValueError(
+        "the residuals of a BlockwiseState are a BlockwiseParams with "
+        f"{len(state.stacks)} stacks (as kahan_residuals gives), got "
+        f"{type(residuals).__name__}")
+  return BlockwiseState(
+      kahan.kahan_replace_residuals(state.embed, residuals.embed),
+      tuple(kahan.kahan_replace_residuals(s, r)
+            for s, r in zip(state.stacks, residuals.stacks)),
+      kahan.kahan_replace_residuals(state.head, residuals.head))
+
+
+kahan.register_grouped_state(BlockwiseState, _residuals_of, _with_residuals)
 
 
 def _check_params(model: BlockwiseModel, params: BlockwiseParams) -> None:

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_kahan._src import bits
-from optax_kahan._src import blockwise
 from optax_kahan._src import per_leaf
 from optax_kahan._src import traced
 from optax_kahan._src import validation
@@ -495,6 +494,24 @@ def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
         stacklevel=5)
 
 
+# Optimizer states that hold one state per group of params (the blockwise
+# step's): their type -> (residuals of one, the state with new residuals).
+# The layer that defines such a state registers it.
+_GROUPED: dict[type, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+
+
+def register_grouped_state(
+    state_type: type,
+    residuals_of: Callable[[Any], Any],
+    with_residuals: Callable[[Any, Any], Any],
+) -> None:
+  """Declares ``state_type`` a state of groups of params, each with its own
+  optimizer state: ``kahan_residuals`` of one is ``residuals_of(state)``
+  and ``kahan_replace_residuals`` is ``with_residuals(state, residuals)``
+  (both built from the per-group functions)."""
+  _GROUPED[state_type] = (residuals_of, with_residuals)
+
+
 def kahan_residuals(opt_state: optax.OptState) -> Residuals:
   """The residuals of the ``KahanState`` inside ``opt_state``.
 
@@ -510,11 +527,8 @@ def kahan_residuals(opt_state: optax.OptState) -> Residuals:
     ValueError: if ``opt_state`` holds no ``KahanState``, or two of them
       hold a residual for the same leaf.
   """
-  if isinstance(opt_state, blockwise.BlockwiseState):
-    return blockwise.BlockwiseParams(
-        kahan_residuals(opt_state.embed),
-        tuple(kahan_residuals(s) for s in opt_state.stacks),
-        kahan_residuals(opt_state.head))
+  if type(opt_state) in _GROUPED:
+    return _GROUPED[type(opt_state)][0](opt_state)
   found = validation.find(opt_state, KahanState)
   if not found:
     raise ValueError("no KahanState in this optimizer state")
@@ -563,18 +577,8 @@ def kahan_replace_residuals(
   Raises:
     ValueError: if there is no ``KahanState`` or the trees do not match.
   """
-  if isinstance(opt_state, blockwise.BlockwiseState):
-    if (not isinstance(residuals, blockwise.BlockwiseParams)
-        or len(residuals.stacks) != len(opt_state.stacks)):
-      raise ValueError(
-          "the residuals of a BlockwiseState are a BlockwiseParams with "
-          f"{len(opt_state.stacks)} stacks (as kahan_residuals gives), got "
-          f"{type(residuals).__name__}")
-    return blockwise.BlockwiseState(
-        kahan_replace_residuals(opt_state.embed, residuals.embed),
-        tuple(kahan_replace_residuals(s, r) for s, r in
-              zip(opt_state.stacks, residuals.stacks)),
-        kahan_replace_residuals(opt_state.head, residuals.head))
+  if type(opt_state) in _GROUPED:
+    return _GROUPED[type(opt_state)][1](opt_state, residuals)
   if not validation.find(opt_state, KahanState):
     raise ValueError("no KahanState in this optimizer state")
 
