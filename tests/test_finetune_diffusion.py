@@ -31,7 +31,10 @@ def test_finetune_diffusion_smoke(tmp_path):
   # Kahan-compensated bf16 updates follow the float32 master bit for bit.
   assert table["kahan"]["max_abs_diff_to_float32"] == 0.0
   assert table["kahan"]["bits_differ_from_float32"] == 0
-  assert table["float32"]["max_abs_diff_to_float32"] == 0.0
+  # ...and the float32 polish itself moved the weights and the loss (the
+  # reference every rule is measured against is not the pretrained model).
+  assert table["float32"]["changed_fraction"] > 0.0
+  assert table["float32"]["heldout_delta"] != 0.0
   # Plain bf16 updates (round to nearest) drop most of the small updates.
   assert (table["nearest"]["changed_fraction"] <
           table["kahan"]["changed_fraction"])
