@@ -11,12 +11,14 @@ import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "optax_kahan" / "_src"
 
-# Lower first: the bits and the contract; then what reads leaves and traces
-# programs; the transformations; kahan and the named optimizers; the
-# blockwise step and the Flax train state.
+# Lower first: the bits and the checks; where arrays live and what reads
+# leaves; the per-leaf contract; the traced cut; the transformations; kahan
+# and the named optimizers; the blockwise step and the Flax train state.
 LAYERS = [
-    {"bits", "validation", "per_leaf", "double_buffer"},
-    {"leaves", "traced"},
+    {"bits", "validation", "double_buffer"},
+    {"placement", "leaves"},
+    {"per_leaf"},
+    {"traced"},
     {"second_moment", "bias_corrected_clip", "stochastic_rounding",
      "coupled", "leafwise", "per_block", "prodigy"},
     {"factored_second_moment", "stable_adamw"},

@@ -73,12 +73,12 @@ from jax import lax
 
 from optax_kahan._src import kahan
 from optax_kahan._src import per_leaf
+from optax_kahan._src import placement
 from optax_kahan._src import traced
 from optax_kahan._src import validation
 from optax_kahan._src.double_buffer import DoubleBuffer
 from optax_kahan._src.double_buffer import front_buffers
 from optax_kahan._src.double_buffer import is_double as _is_double
-from optax_kahan._src.leaves import commit_with
 
 Carry = Any
 Consts = Any
@@ -343,7 +343,7 @@ def with_front_buffers(layout: Any, values: Any) -> Any:
   """
   def put(path, x, value):
     front = x.front if _is_double(x) else x
-    if per_leaf.on_host(front) and not per_leaf.on_host(value):
+    if placement.on_host(front) and not placement.on_host(value):
       raise ValueError(
           f"with_front_buffers: {jax.tree_util.keystr(path)} is in host "
           f"memory in the layout but not in values; place it with "
@@ -386,12 +386,6 @@ def _check_not_doubled(tree: Any, what: str, instead: str) -> None:
           f"(stream_blocks' layout already); {instead}")
 
 
-def _in_host_memory(x: Any) -> bool:
-  """An array or abstract ``jax.ShapeDtypeStruct`` in host memory."""
-  return per_leaf.on_host(x) or getattr(
-      getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"
-
-
 def _spare(x: Any) -> Any:
   """A second host buffer like ``x`` (its contents never read)."""
   if isinstance(x, jax.ShapeDtypeStruct):
@@ -412,9 +406,9 @@ def _part(x: Any, start: int, stop: int, kind: Optional[str]) -> Any:
                                 sharding=sharding)
   part = lax.slice_in_dim(x, start, stop)
   if kind == "pinned_host":
-    return per_leaf.to_host(part)
-  if kind == "device" and _in_host_memory(part):
-    return per_leaf.to_device(part)
+    return placement.to_host(part)
+  if kind == "device" and placement.in_host_memory(part):
+    return placement.to_device(part)
   return part
 
 
@@ -517,7 +511,7 @@ def stream_blocks(
       streamed = a == n - k
       def place(x, kind=None):  # used at once: a, b, streamed are current
         y = _part(x, a, b, "pinned_host" if streamed else kind)
-        if spare_buffers and _in_host_memory(y):
+        if spare_buffers and placement.in_host_memory(y):
           return DoubleBuffer(y, _spare(y))
         return y
 
@@ -554,7 +548,7 @@ def join_stacks(model: BlockwiseModel, params: BlockwiseParams
     else:
       groups.append([s])
   stacks = [jax.tree.map(lambda *xs: jnp.concatenate(
-      [_on_device(x) for x in xs]), *[params.stacks[s] for s in g])
+      [placement.on_device(x) for x in xs]), *[params.stacks[s] for s in g])
             for g in groups]
   transitions = (tuple(model.transition(g[-1]) for g in groups[:-1])
                  if model.transitions else ())
@@ -600,7 +594,7 @@ def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
       stacks=tuple(jax.vmap(tx.init)(stack, *(a.stacks[s] for a in args))
                    for s, stack in enumerate(params.stacks)),
       head=tx.init(params.head, *(a.head for a in args)))
-  return commit_with(state, params, "blockwise_init")
+  return placement.commit_with(state, params, "blockwise_init")
 
 
 def blockwise_loss(model: BlockwiseModel, params: BlockwiseParams,
@@ -630,15 +624,15 @@ def _take(tree: Any, i: jax.Array) -> Any:
 def _fetch(leaves: list[Any], i: jax.Array) -> list[Any]:
   """Block ``i`` of each stacked host leaf, brought into device memory
   (None for device leaves, sliced where they are used)."""
-  return [per_leaf.to_device(lax.dynamic_index_in_dim(x, i, keepdims=False))
-          if per_leaf.on_host(x) else None for x in leaves]
+  return [placement.to_device(lax.dynamic_index_in_dim(x, i, keepdims=False))
+          if placement.on_host(x) else None for x in leaves]
 
 
 def _block_of(leaves: list[Any], staged: list[Any], i: jax.Array
               ) -> list[Any]:
   """Block ``i``: host leaves from ``staged`` (fetched ahead), the others
   sliced from their stacks."""
-  return [y if per_leaf.on_host(x)
+  return [y if placement.on_host(x)
           else lax.dynamic_index_in_dim(x, i, keepdims=False)
           for x, y in zip(leaves, staged)]
 
@@ -647,8 +641,8 @@ def _write_back(leaves: list[Any], pending: list[Any], i: jax.Array
                 ) -> list[Any]:
   """The host leaves with block ``i`` set to ``pending``'s values, sent back
   to host memory."""
-  return [lax.dynamic_update_index_in_dim(x, per_leaf.to_host(p), i, 0)
-          if per_leaf.on_host(x) else x for x, p in zip(leaves, pending)]
+  return [lax.dynamic_update_index_in_dim(x, placement.to_host(p), i, 0)
+          if placement.on_host(x) else x for x, p in zip(leaves, pending)]
 
 
 def _forward_stack(block, stack, carry, consts):
@@ -660,7 +654,7 @@ def _forward_stack(block, stack, carry, consts):
   last = num_blocks(stack) - 1
   # Device leaves are the scan's xs (their gradient, under jax.grad, is its
   # stacked output, as for a plain lax.scan over the stack).
-  device = [None if per_leaf.on_host(x) else x for x in leaves]
+  device = [None if placement.on_host(x) else x for x in leaves]
 
   def body(loop, xs):
     c, staged = loop
@@ -744,13 +738,9 @@ def _check_same_rows(tx: optax.GradientTransformation,
         "lagged_d=True")
 
 
-def _on_device(x: jax.Array) -> jax.Array:
-  return per_leaf.to_device(x) if per_leaf.on_host(x) else x
-
-
 def _like(x: jax.Array, where: jax.Array) -> jax.Array:
   """``x`` in the memory ``where`` lives in (a streamed stack's: host)."""
-  return per_leaf.to_host(x) if per_leaf.on_host(where) else x
+  return placement.to_host(x) if placement.on_host(where) else x
 
 
 def _sum_late(state: BlockwiseState) -> BlockwiseState:
@@ -761,7 +751,7 @@ def _sum_late(state: BlockwiseState) -> BlockwiseState:
   totals = []
   for j in range(len(found[0])):
     parts = [found[0][j].sums, found[-1][j].sums]
-    parts += [jax.tree.map(lambda x: jnp.sum(_on_device(x), axis=0),
+    parts += [jax.tree.map(lambda x: jnp.sum(placement.on_device(x), axis=0),
                            g[j].sums) for g in found[1:-1]]
     totals.append(jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts))
 
@@ -835,8 +825,8 @@ def _step_block(tx, block, leaves, treedef, staged, k, inputs, consts, ct):
   # and then copy every stack the loop carries; an island prevents it.
   new = jax.tree.leaves(per_leaf.apart_on_cpu(
       functools.partial(_update, tx, staged=True), grads, state, params))
-  pending = [y if per_leaf.on_host(x) else None for x, y in zip(leaves, new)]
-  leaves = [x if per_leaf.on_host(x)
+  pending = [y if placement.on_host(x) else None for x, y in zip(leaves, new)]
+  leaves = [x if placement.on_host(x)
             else lax.dynamic_update_index_in_dim(x, y, k, 0)
             for x, y in zip(leaves, new)]
   return ct, ct_block, leaves, pending

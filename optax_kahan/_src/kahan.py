@@ -38,7 +38,6 @@ from optax_kahan._src import traced
 from optax_kahan._src import validation
 from optax_kahan._src.bits import Rounding
 from optax_kahan._src.double_buffer import check_not_doubled
-from optax_kahan._src.leaves import commit_with
 from optax_kahan._src.leaves import is_none
 from optax_kahan._src.leaves import landing_delta
 from optax_kahan._src.leaves import leaves_like
@@ -46,9 +45,10 @@ from optax_kahan._src.leaves import map_leaves
 from optax_kahan._src.leaves import needs_residual
 from optax_kahan._src.leaves import paths
 from optax_kahan._src.leaves import upcast
-from optax_kahan._src.per_leaf import on_host
-from optax_kahan._src.per_leaf import to_device
-from optax_kahan._src.per_leaf import to_host
+from optax_kahan._src.placement import commit_with
+from optax_kahan._src.placement import on_host
+from optax_kahan._src.placement import to_device
+from optax_kahan._src.placement import to_host
 
 Residuals = Any  # A tree like the params: uint16 arrays, None for wide leaves.
 

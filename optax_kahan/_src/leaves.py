@@ -100,36 +100,3 @@ def landing_delta(p: jax.Array, new: jax.Array) -> jax.Array:
   """
   return jnp.where(new == p, 0.0,
                    new.astype(jnp.float32) - p.astype(jnp.float32))
-
-
-def commit_with(state: Any, params: Any, where: str) -> Any:
-  """Commits ``state``'s uncommitted arrays where the (committed) params live.
-
-  A jitted step given committed and uncommitted arguments returns committed
-  outputs, so its second call compiles again (minutes for a large model).
-  Uncommitted params with a state holding committed arrays (host residuals)
-  warn, naming ``where``: only the caller can commit them.
-  """
-  concrete = lambda x: (isinstance(x, jax.Array)
-                        and not isinstance(x, jax.core.Tracer))
-  arrays = [x for x in jax.tree.leaves(params) if concrete(x)]
-  if not arrays:
-    return state
-  if not all(x.committed for x in arrays):
-    if any(concrete(x) and x.committed for x in jax.tree.leaves(state)):
-      validation.warn(
-          f"{where}: the params are not committed to a device, so the first "
-          "jitted step will compile twice (its outputs are committed). "
-          "Commit them once, before init: params = jax.device_put(params, "
-          "jax.devices()[0]) (restored and sharded params already are)",
-          stacklevel=3)
-    return state
-  sharding = arrays[0].sharding
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    target = jax.sharding.NamedSharding(sharding.mesh, jax.P())
-  else:
-    target = jax.sharding.SingleDeviceSharding(
-        next(iter(sharding.device_set)))
-  return jax.tree.map(
-      lambda x: jax.device_put(x, target) if concrete(x) and not x.committed
-      else x, state)

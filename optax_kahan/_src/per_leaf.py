@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_kahan._src import placement
 
 class Round(NamedTuple):
   """Stages 1 and 2: ``statistic(g_i, s_i, x_i, shared, **extra_args) ->
@@ -208,27 +209,6 @@ def _unordered(fn: Callable, *columns: list[Any], after: Any = None
   return [fn(*row) for row in zip(*columns)]
 
 
-def on_host(x: Any) -> bool:
-  """True for an array (or tracer) that lives in host memory."""
-  return (isinstance(x, (jax.Array, jax.core.Tracer))
-          and jax.typeof(x).memory_space == jax.memory.Space.Host)
-
-
-def to_host(x: jax.Array) -> jax.Array:
-  """Sends ``x`` to host memory (``pinned_host``), keeping its sharding."""
-  return jax.device_put(x, jax.memory.Space.Host)
-
-
-def to_device(x: jax.Array) -> jax.Array:
-  """Brings ``x`` into device memory, keeping its sharding."""
-  return jax.device_put(x, jax.memory.Space.Device)
-
-
-def _stage(tree: Any) -> Any:
-  """The tree's arrays that live in host memory, brought into device memory."""
-  return jax.tree.map(lambda x: to_device(x) if on_host(x) else x, tree)
-
-
 def tie(x: Any, token: jax.Array,
         scalars: bool = True) -> tuple[Any, jax.Array]:
   """``x`` and ``token`` through one optimization barrier: what reads the
@@ -302,7 +282,7 @@ def _chain(fn: Callable[..., Any], rows: list[Any], after: Any) -> list[Any]:
   prev = token  # the token of the row before the last
   for row in rows:
     staged, _ = tie(row, prev, scalars=False)
-    row, _ = tie(_stage(staged), token, scalars=False)
+    row, _ = tie(placement.on_device(staged), token, scalars=False)
     free, chained = fn(*row)
     chained, new = tie(chained, token)
     outs.append((free, chained))

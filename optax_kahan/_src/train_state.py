@@ -20,7 +20,7 @@ from flax.training import train_state
 
 from optax_kahan._src.bits import Rounding
 from optax_kahan._src.kahan import kahan_from_float32
-from optax_kahan._src.leaves import commit_with
+from optax_kahan._src.placement import commit_with
 
 
 def kahan_train_state(
