@@ -29,14 +29,20 @@ def _need_plugin() -> None:
     pytest.skip('needs pip install -e ".[gpu-aot]"')
 
 
+def _run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+  """``python -m module args`` in a child (the compiler needs
+  ``JAX_PLATFORMS=cpu`` before jax is imported); fails on its failure."""
+  _need_plugin()
+  out = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1200)
+  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+  return out
+
+
 @pytest.mark.slow
 def test_gpu_programs_keep_their_promises():
-  _need_plugin()
-  out = subprocess.run(
-      [sys.executable, "-m", "benchmarks.gpu_compile", "--quick", "--check",
-       "--target", "h200"], cwd=ROOT, capture_output=True, text=True,
-      timeout=1200)
-  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+  out = _run_module("benchmarks.gpu_compile", "--quick", "--check",
+                    "--target", "h200")
   assert "| kahan(chain(clip_by_global_norm, optax.adamw)) |" in out.stdout
   # optax's own clip chain is checked too (it keeps its per-leaf form)
   assert ("| kahan(optax.chain(optax.clip_by_global_norm, optax.adamw)) |"
@@ -156,12 +162,7 @@ def test_streaming_quick_models_every_setup():
 
 @pytest.mark.slow
 def test_host_compute_spike_reads_the_host_call(tmp_path):
-  _need_plugin()
-  out = subprocess.run(
-      [sys.executable, "-m", "benchmarks.host_compute", "--n", "256",
-       "--tag", "quick"], cwd=ROOT, capture_output=True, text=True,
-      timeout=600)
-  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+  _run_module("benchmarks.host_compute", "--n", "256", "--tag", "quick")
   with open(os.path.join(ROOT, "benchmarks", "results",
                          "host_compute_quick.json")) as f:
     rows = json.load(f)["rows"]

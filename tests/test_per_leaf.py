@@ -479,3 +479,33 @@ def test_warning_free_kahan_steps():
     for make in INNER.values():
       _steps.train(ok.kahan(make()), _params(jnp.bfloat16, wide="b"), _grads,
                    1)
+
+
+def test_a_custom_rule_coupling_two_leaves_keeps_its_gradient():
+  # The norm's custom derivative is twice the true one: a per-leaf form that
+  # inlined the call would differentiate its body instead, and differ.
+  @jax.custom_jvp
+  def norm(a, b):
+    return jnp.sqrt(jnp.sum(a * a) + jnp.sum(b * b))
+
+  @norm.defjvp
+  def _(primals, tangents):
+    (a, b), (ta, tb) = primals, tangents
+    n = norm(a, b)
+    return n, 2.0 * (jnp.sum(a * ta) + jnp.sum(b * tb)) / n
+
+  def update(g, state, params=None):
+    del params
+    n = norm(g["a"], g["b"])
+    return jax.tree.map(lambda x: x / (1.0 + n), g), state
+
+  tx = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+  g = {"a": jnp.arange(3.0), "b": jnp.ones(2)}
+
+  def loss(t):
+    return lambda g: jnp.sum(t.update(g, optax.EmptyState())[0]["a"])
+
+  want = jax.grad(loss(tx))(g)
+  got = jax.grad(loss(ok.leafwise(tx)))(g)
+  for k in g:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)

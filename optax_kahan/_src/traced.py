@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import re
 from typing import Any, NamedTuple, Optional, Union
 
@@ -130,14 +131,23 @@ class _Inner:
     self.aval = aval
 
 
+def _carries_code(value: Any) -> bool:
+  """A Python function, or an object wrapping one (``value.f``)."""
+  return (inspect.isroutine(value)
+          or inspect.isroutine(getattr(value, "f", None)))
+
+
 def _call_body(eqn: Any) -> Optional[tuple[Any, list[Any]]]:
   """The body of a call: an equation whose one inner program takes its
   operands and gives its results, type for type (a ``jit`` of a function
   over the tree); None for anything else (a ``cond``'s branches, a
-  ``scan``'s sliced body)."""
+  ``scan``'s sliced body), and for a call whose parameters hold code beside
+  its body (a custom differentiation rule, ``jax.custom_jvp`` /
+  ``custom_vjp``): inlined, its body would be differentiated in place of
+  the rule, so it stays one equation."""
   bodies = [v for v in eqn.params.values()
             if isinstance(v, (jex.core.Jaxpr, jex.core.ClosedJaxpr))]
-  if len(bodies) != 1:
+  if len(bodies) != 1 or any(map(_carries_code, eqn.params.values())):
     return None
   body = bodies[0]
   jaxpr, consts = ((body.jaxpr, list(body.consts))
