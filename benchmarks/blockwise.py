@@ -65,7 +65,7 @@ import optax_kahan as ok
 from benchmarks import flux_model
 from benchmarks import gpu_compile
 from benchmarks import report
-from optax_kahan._src import blockwise as bw
+from optax_kahan import blockwise as bw
 
 DUMP = os.path.join(tempfile.gettempdir(), "optax_kahan_blockwise_dump")
 

@@ -8,7 +8,7 @@ single-stream blocks, MLP ratio 4, 64 input channels (2x2 patches of a
 embedding, rotary embeddings over three position axes of (16, 56, 56) dims.
 
 It is written as three parts, so that a training step can run it one block at a
-time (``optax_kahan/blockwise.py``)::
+time (``optax_kahan.blockwise``)::
 
     carry, consts = embed(embed_params, batch)      # carry = (img, txt)
     for each stack in (double, single):             # consts = (vec, pe)

@@ -34,6 +34,7 @@ from optax_kahan._src.stochastic_rounding import stochastic_round
 from optax_kahan._src.stochastic_rounding import stochastic_round_apply_updates
 from optax_kahan._src.stochastic_rounding import stochastic_rounding
 from optax_kahan._src.stochastic_rounding import StochasticRoundingState
+from optax_kahan._src.nnx_optimizer import kahan_nnx_optimizer
 from optax_kahan._src.train_state import kahan_train_state
 from optax_kahan._src.validation import OptaxKahanWarning
 from optax_kahan import blockwise as blockwise
@@ -58,6 +59,7 @@ __all__ = (
     "kahan_replace_residuals",
     "kahan_residuals",
     "kahan_to_float32",
+    "kahan_nnx_optimizer",
     "kahan_train_state",
     "leafwise",
     "merge_float32",

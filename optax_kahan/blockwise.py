@@ -10,22 +10,22 @@ Flax models.
 See the guide "Fine-tuning FLUX.1-dev" for the whole recipe.
 """
 
-from optax_kahan._src.blockwise import blockwise_init
-from optax_kahan._src.blockwise import blockwise_loss
-from optax_kahan._src.blockwise import blockwise_step
-from optax_kahan._src.blockwise import BlockwiseModel
-from optax_kahan._src.blockwise import BlockwiseParams
-from optax_kahan._src.blockwise import BlockwiseState
-from optax_kahan._src.blockwise import continue_stack
-from optax_kahan._src.blockwise import DoubleBuffer
-from optax_kahan._src.blockwise import front_buffers
-from optax_kahan._src.blockwise import join_stacks
-from optax_kahan._src.blockwise import linen_apply
-from optax_kahan._src.blockwise import nnx_blockwise
-from optax_kahan._src.blockwise import num_blocks
-from optax_kahan._src.blockwise import stream_blocks
-from optax_kahan._src.blockwise import STREAMING_COMPILER_OPTIONS
-from optax_kahan._src.blockwise import with_front_buffers
+from optax_kahan._src.blockwise.step import blockwise_init
+from optax_kahan._src.blockwise.step import blockwise_loss
+from optax_kahan._src.blockwise.step import blockwise_step
+from optax_kahan._src.blockwise.model import BlockwiseModel
+from optax_kahan._src.blockwise.model import BlockwiseParams
+from optax_kahan._src.blockwise.model import BlockwiseState
+from optax_kahan._src.blockwise.model import continue_stack
+from optax_kahan._src.double_buffer import DoubleBuffer
+from optax_kahan._src.double_buffer import front_buffers
+from optax_kahan._src.blockwise.streaming import join_stacks
+from optax_kahan._src.blockwise.flax_adapters import linen_apply
+from optax_kahan._src.blockwise.flax_adapters import nnx_blockwise
+from optax_kahan._src.blockwise.model import num_blocks
+from optax_kahan._src.blockwise.streaming import stream_blocks
+from optax_kahan._src.blockwise.streaming import STREAMING_COMPILER_OPTIONS
+from optax_kahan._src.blockwise.streaming import with_front_buffers
 from optax_kahan._src.per_block import block_axes_of
 from optax_kahan._src.per_block import per_block
 

@@ -22,7 +22,7 @@ import pytest
 
 import optax_kahan as ok
 from benchmarks import blockwise_bounds
-from optax_kahan._src import blockwise as bw
+from optax_kahan import blockwise as bw
 
 W = 16
 

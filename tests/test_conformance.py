@@ -184,8 +184,7 @@ def test_nnx_optimizer_and_float32_export(name):
       return self.dense(x).astype(jnp.float32) * self.scale
 
   model = Model()
-  nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
-  opt = nnx.Optimizer(model, make(name), wrt=nnx.Param)
+  opt = ok.kahan_nnx_optimizer(model, make(name), wrt=nnx.Param)
   before = np.asarray(model.dense.kernel[...], np.float32)
 
   @nnx.jit

@@ -239,8 +239,8 @@ def test_nan_step_under_apply_if_finite_changes_nothing(nesting):
 
 def test_flax_nnx_optimizer_trains_bf16_model():
   model = nnx.Linear(4, 3, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-  nnx.update(model, commit(nnx.state(model)))  # committed, as kahan wants
-  optimizer = nnx.Optimizer(model, ok.kahan(optax.adam(1e-2)), wrt=nnx.Param)
+  optimizer = ok.kahan_nnx_optimizer(model, ok.kahan(optax.adam(1e-2)),
+                                     wrt=nnx.Param)
   x = jax.random.normal(jax.random.key(0), (32, 4)).astype(jnp.bfloat16)
   y = jnp.ones((32, 3))
 

@@ -216,8 +216,8 @@ def test_prodigy_d_reads_through_wrappers():
 def test_prodigy_d_of_an_nnx_optimizer_is_an_array():
   from flax import nnx
   model = nnx.Linear(4, 2, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-  nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
-  optimizer = nnx.Optimizer(model, ok.kahan(ok.prodigy()), wrt=nnx.Param)
+  optimizer = ok.kahan_nnx_optimizer(model, ok.kahan(ok.prodigy()),
+                                     wrt=nnx.Param)
   d = ok.prodigy_d(optimizer.opt_state)  # its arrays are nnx variables
   assert isinstance(d, jax.Array) and float(d) == pytest.approx(1e-6)
 

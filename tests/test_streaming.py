@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import optax_kahan as ok
-from optax_kahan._src import blockwise as bw
+from optax_kahan import blockwise as bw
 from tests.test_blockwise import JOINED
 from tests.test_blockwise import MODEL
 from tests.test_blockwise import batch

@@ -2,9 +2,11 @@
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from flax.core import FrozenDict
 
+import optax_kahan as ok
 from optax_kahan._src import validation
 
 
@@ -59,3 +61,45 @@ def test_range_checks_name_the_argument():
     validation.check_positive("d0", 0.0)
   validation.check_positive("wd", 0.0, allow_zero=True)
   validation.check_beta("b1", jnp.asarray(2.0))  # arrays: not checkable here
+
+
+P = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+
+# A mistake at a public entry point -> (exception, what the message says).
+MISTAKES = {
+    "kahan(optax.adamw)": (lambda: ok.kahan(optax.adamw), TypeError,
+                           r"kahan: inner must be .* call it"),
+    "kahan(None)": (lambda: ok.kahan(None), TypeError,
+                    "kahan: inner must be an optax GradientTransformation"),
+    "kahan(offload='yes')": (
+        lambda: ok.kahan(optax.sgd(1.0), offload="yes"), TypeError,
+        "kahan: offload must be True or False"),
+    "leafwise(optax.adamw)": (lambda: ok.leafwise(optax.adamw), TypeError,
+                              r"leafwise: tx must be .* call it"),
+    "stochastic_rounding(key=42)": (
+        lambda: ok.stochastic_rounding(optax.sgd(1.0), 42), TypeError,
+        r"stochastic_rounding: key must be a JAX PRNG key, e\.g\."),
+    "stochastic_round(key=None)": (
+        lambda: ok.stochastic_round(jnp.ones(3), None), TypeError,
+        "stochastic_round: key must be a JAX PRNG key"),
+    "merge_float32(shapes)": (
+        lambda: ok.merge_float32(jnp.ones(3, jnp.bfloat16),
+                                 jnp.zeros(4, jnp.uint16)), ValueError,
+        r"merge_float32: hi has shape \[3\] and lo \[4\]"),
+    "kahan_to_float32(params, state)": (
+        lambda: ok.kahan_to_float32(
+            P, ok.kahan(optax.sgd(1.0), offload=False).init(P)),
+        ValueError, r"optimizer state .* ok\.kahan_residuals\(opt_state\)"),
+    "num_blocks({})": (lambda: ok.blockwise.num_blocks({}), ValueError,
+                       "num_blocks: a stack is a tree .* no leaves"),
+    "join_stacks(None, params)": (
+        lambda: ok.blockwise.join_stacks(None, P), TypeError,
+        "join_stacks: model must be the BlockwiseModel"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISTAKES))
+def test_public_entry_points_name_the_argument(name):
+  fn, error, message = MISTAKES[name]
+  with pytest.raises(error, match=message):
+    fn()

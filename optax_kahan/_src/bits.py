@@ -156,6 +156,9 @@ def merge_float32(
     raise TypeError(f"merge_float32 expects bfloat16 hi, got {hi.dtype}")
   if lo.dtype != jnp.uint16:
     raise TypeError(f"merge_float32 expects uint16 lo, got {lo.dtype}")
+  if hi.shape != lo.shape:
+    raise ValueError(f"merge_float32: hi has shape {list(hi.shape)} and lo "
+                     f"{list(lo.shape)}; a residual has its weight's shape")
   return _merge(hi, lo, rounding)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -60,6 +61,10 @@ def _check_residuals(params: Any, residuals: Residuals,
   or shape, or where the trees differ. With ``allow_masked`` (the export),
   node types may differ where the key paths agree, and ``MaskedNode``
   residuals are accepted."""
+  if validation.find(residuals, KahanState):
+    raise ValueError(
+        "residuals is an optimizer state (it holds a KahanState); pass its "
+        "residuals: ok.kahan_residuals(opt_state)")
   lows = leaves_like(params, residuals, "residuals", strict=not allow_masked)
   flat = jax.tree.structure(params, is_leaf=is_none).flatten_up_to(params)
   for path, p, r in zip(paths(params), flat, lows):
@@ -271,6 +276,29 @@ class KahanState(NamedTuple):
   inner_state: optax.OptState
 
 
+#: The start of the warning ``kahan``'s init gives for an ``nnx.State``.
+NNX_STEP_WARNING = "kahan: the params are an nnx.State"
+
+
+def _warn_if_nnx_optimizer(params: Any, state: Any) -> None:
+  """Warns for params that are an ``nnx.State`` (as ``nnx.Optimizer`` passes
+  them) when the state holds committed arrays: the optimizer's step counter
+  is uncommitted, so the jitted step would compile twice."""
+  nnx = sys.modules.get("flax.nnx")  # no nnx.State without flax.nnx loaded
+  if nnx is None or not isinstance(params, nnx.State):
+    return
+  if any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+         and x.committed for x in jax.tree.leaves(state)):
+    validation.warn(
+        f"{NNX_STEP_WARNING}, as nnx.Optimizer passes them. nnx.Optimizer "
+        "makes its step counter an uncommitted array, and this state is "
+        "committed, so a jitted step over the optimizer compiles twice (its "
+        "outputs are committed). Make it with ok.kahan_nnx_optimizer(model, "
+        "tx, wrt=...), which commits the counter, or commit it yourself: "
+        "optimizer.step.set_value(jax.device_put(optimizer.step.get_value(), "
+        "jax.devices()[0]))", stacklevel=4)
+
+
 def kahan(
     inner: optax.GradientTransformation,
     *,
@@ -345,7 +373,9 @@ def kahan(
   References:
     sd-scripts PR #2159; Zamirai et al., "Revisiting BFloat16 Training", 2020.
   """
+  validation.check_transformation("kahan", "inner", inner)
   bits.check_rounding(rounding)
+  validation.check_bool("kahan", "offload", offload)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params, residuals=None):
@@ -369,7 +399,9 @@ def kahan(
       residuals = jax.tree.map(lambda lo: to_host(lo) if offload else lo,
                                residuals)
       state = KahanState(residuals, inner.init(exact))
-    return commit_with(state, params, "kahan")
+    state = commit_with(state, params, "kahan")
+    _warn_if_nnx_optimizer(params, state)
+    return state
 
   stages = functools.partial(_stages, inner, rounding, offload)
   whole_tree = functools.partial(_whole_tree, inner, rounding, offload)

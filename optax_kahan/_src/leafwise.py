@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import optax
 
+from optax_kahan._src import validation
 from optax_kahan._src.per_leaf import LeafStages
 from optax_kahan._src.per_leaf import transformation
 from optax_kahan._src.traced import stages_of
@@ -115,6 +116,7 @@ def leafwise(tx: optax.GradientTransformation
     >>> import optax
     >>> tx = leafwise(optax.adamw(1e-4))
   """
+  validation.check_transformation("leafwise", "tx", tx)
   tx = optax.with_extra_args_support(tx)
 
   def stages(updates, state, params, **extra_args):

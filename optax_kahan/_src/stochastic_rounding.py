@@ -50,6 +50,7 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
   x = jnp.asarray(x)
   if x.dtype != jnp.float32:
     raise TypeError(f"stochastic_round expects float32, got {x.dtype}")
+  validation.check_key("stochastic_round", key)
   noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
   x_bits = lax.bitcast_convert_type(x, jnp.uint32)
   rounded = (x_bits + noise) & jnp.uint32(0xFFFF0000)
@@ -87,6 +88,7 @@ def stochastic_round_apply_updates(
       return (p + u).astype(p.dtype)
     return stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), k)
 
+  validation.check_key("stochastic_round_apply_updates", key)
   return map_leaves(apply_leaf, params, updates, _leaf_keys(key, params))
 
 
@@ -118,6 +120,8 @@ def stochastic_rounding(
   Example:
     >>> tx = stochastic_rounding(optax.adamw(1e-6), jax.random.key(0))
   """
+  validation.check_transformation("stochastic_rounding", "inner", inner)
+  validation.check_key("stochastic_rounding", key)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

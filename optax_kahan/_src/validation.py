@@ -74,6 +74,36 @@ def warn_low_precision_hyperparams(where: str, **hyperparams: Any) -> None:
           "hyperparam_dtype=jnp.float32", stacklevel=3)
 
 
+def check_transformation(where: str, name: str, tx: Any) -> None:
+  """Raises TypeError unless ``tx`` is an optax transformation (has ``init``
+  and ``update``), suggesting the call a factory such as ``optax.adamw``
+  needs."""
+  if callable(getattr(tx, "init", None)) and callable(
+      getattr(tx, "update", None)):
+    return
+  hint = (f"; {getattr(tx, '__name__', 'it')} is a function that makes one: "
+          "call it, e.g. optax.adamw(1e-5)" if callable(tx) else "")
+  raise TypeError(f"{where}: {name} must be an optax GradientTransformation "
+                  f"(with init and update), got {type(tx).__name__}{hint}")
+
+
+def check_bool(where: str, name: str, value: Any) -> None:
+  """Raises TypeError unless ``value`` is a Python bool."""
+  if not isinstance(value, bool):
+    raise TypeError(f"{where}: {name} must be True or False, got {value!r}")
+
+
+def check_key(where: str, key: Any) -> None:
+  """Raises TypeError unless ``key`` is a JAX PRNG key: a typed key
+  (``jax.random.key``) or a raw ``uint32[2]`` one (``jax.random.PRNGKey``)."""
+  dtype = getattr(key, "dtype", None)
+  if dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.prng_key) or (
+      dtype == jnp.uint32 and jnp.shape(key)[-1:] == (2,))):
+    return
+  raise TypeError(f"{where}: key must be a JAX PRNG key, e.g. "
+                  f"jax.random.key(0), got {type(key).__name__} {key!r}")
+
+
 def check_real(where: str, params: Any) -> None:
   """Raises TypeError naming the first complex leaf of ``params``."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:

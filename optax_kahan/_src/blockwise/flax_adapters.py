@@ -1,0 +1,105 @@
+"""Flax models as the parts of a ``BlockwiseModel``: NNX modules and linen.
+
+``nnx_blockwise`` splits NNX modules into pure functions and their
+``nnx.Param`` state; ``linen_apply`` wraps a linen module's ``apply``. A
+stack is a module whose params carry a leading block axis (``nnx.vmap`` over
+a block's constructor, or ``nn.scan`` with ``variable_axes={"params": 0}``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from flax import linen as nn
+from flax import nnx
+import jax
+
+from optax_kahan._src.blockwise.model import BlockwiseModel
+from optax_kahan._src.blockwise.model import BlockwiseParams
+from optax_kahan._src.blockwise.model import Carry
+from optax_kahan._src.blockwise.model import Consts
+
+
+def _split_module(module: nnx.Module, what: str
+                  ) -> tuple[Callable[..., Any], Any]:
+  """``(fn, params)`` with ``fn(params, *args) = merge(module)(*args)``."""
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  if jax.tree.leaves(rest):
+    raise ValueError(
+        f"nnx_blockwise: {what} ({type(module).__name__}) holds state other "
+        f"than nnx.Param: {rest}; the blockwise step carries only the params")
+
+  def fn(params: Any, *args: Any) -> Any:
+    return nnx.merge(graphdef, params)(*args)
+
+  return fn, params
+
+
+def nnx_blockwise(
+    embed: nnx.Module, stacks: Sequence[nnx.Module], head: nnx.Module,
+    transitions: Sequence[Callable[[Carry, Consts], Carry]] = (),
+) -> tuple[BlockwiseModel, BlockwiseParams]:
+  """A Flax NNX model's parts as a ``BlockwiseModel`` and its params.
+
+  ``embed(batch) -> (carry, consts)``, each stacked module's block
+  ``block(carry, consts) -> carry`` and ``head(carry, consts, batch) -> loss``
+  are the modules' ``__call__``. A stack is one module whose ``nnx.Param``
+  leaves have a leading block axis (``nnx.vmap`` over a block's constructor,
+  the layout ``nnx.scan`` runs). Write the trained params back with
+  ``nnx.update(module, params.embed)`` and so on.
+
+  Args:
+    embed: the embedding module.
+    stacks: the stacked block modules, in the order they run.
+    head: the head module, returning the scalar loss.
+    transitions: the model's ``transitions`` (functions without weights).
+
+  Returns:
+    ``(model, params)`` for ``blockwise_step``; the params are the modules'
+    ``nnx.State`` of ``nnx.Param``.
+
+  Raises:
+    ValueError: if a module holds state other than ``nnx.Param`` (batch
+      statistics, RNG counters), which the step would not carry.
+  """
+  embed_fn, embed_params = _split_module(embed, "embed")
+  split = [_split_module(m, f"stacks[{i}]") for i, m in enumerate(stacks)]
+  head_fn, head_params = _split_module(head, "head")
+  return (BlockwiseModel(embed_fn, tuple(fn for fn, _ in split), head_fn,
+                         tuple(transitions)),
+          BlockwiseParams(embed_params, tuple(p for _, p in split),
+                          head_params))
+
+
+def linen_apply(module: nn.Module,
+                method: Optional[Callable[..., Any]] = None
+                ) -> Callable[..., Any]:
+  """A Flax linen module as a part of a ``BlockwiseModel``.
+
+  ``fn(params, *args) = module.apply({"params": params}, *args,
+  method=method)``. For a stack run under ``nn.scan(Block,
+  variable_axes={"params": 0}, ...)`` (the layout MaxText and MaxDiffusion
+  train in), the scanned module's params are already one stack (a leading
+  block axis on every leaf); the block function is ``linen_apply`` of one
+  unscanned ``Block``, with a ``method`` that maps ``(carry, consts)`` to its
+  call (keyword arguments, a ``(carry, None)`` return)::
+
+    model = BlockwiseModel(
+        embed=linen_apply(Embed(cfg)),
+        blocks=(linen_apply(Block(cfg), lambda m, c, k: m(c, **k)[0]),),
+        head=linen_apply(Head(cfg)))
+    params = BlockwiseParams(p["embed"], (p["blocks"],), p["head"])
+
+  Args:
+    module: the (unbound) module of one part, configured as in the model.
+    method: ``method(module, *args)``, what to call (default ``__call__``).
+
+  Returns:
+    ``fn(params, *args)``. A module that needs collections other than
+    ``params`` (batch statistics) fails in ``apply``, naming them.
+  """
+
+  def fn(params: Any, *args: Any) -> Any:
+    return module.apply({"params": params}, *args, method=method)
+
+  return fn

@@ -1,0 +1,55 @@
+"""The late sums of a blockwise step: each group's, added over all groups.
+
+A transformation that reduces late (Prodigy with ``lagged_d=True``) keeps in
+its state, per group, sums over that group's leaves (``per_leaf.LateSums``);
+the step updates each group on its own, then gives every group the sums over
+all groups, which the next step folds in (a one-step lag).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_kahan._src import per_leaf
+from optax_kahan._src import placement
+from optax_kahan._src import validation
+from optax_kahan._src.blockwise.model import BlockwiseState
+
+
+def _is_late(x: Any) -> bool:
+  return isinstance(x, per_leaf.LateSums)
+
+
+def _like(x: jax.Array, where: jax.Array) -> jax.Array:
+  """``x`` in the memory ``where`` lives in (a streamed stack's: host)."""
+  return placement.to_host(x) if placement.on_host(where) else x
+
+
+def sum_late(state: BlockwiseState) -> BlockwiseState:
+  """Gives every ``LateSums`` of the state (each group's, over its own
+  leaves; the blocks' one per block) the sums over all groups."""
+  groups = [state.embed, *state.stacks, state.head]
+  found = [validation.find(g, per_leaf.LateSums) for g in groups]
+  totals = []
+  for j in range(len(found[0])):
+    parts = [found[0][j].sums, found[-1][j].sums]
+    parts += [jax.tree.map(lambda x: jnp.sum(placement.on_device(x), axis=0),
+                           g[j].sums) for g in found[1:-1]]
+    totals.append(jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts))
+
+  def with_totals(tree):
+    it = iter(totals)
+    return jax.tree.map(
+        lambda x: per_leaf.LateSums(jax.tree.map(
+            lambda t, s: _like(jnp.broadcast_to(t, s.shape), s), next(it),
+            x.sums))
+        if _is_late(x) else x, tree, is_leaf=_is_late)
+
+  return BlockwiseState(
+      embed=with_totals(state.embed),
+      stacks=tuple(with_totals(s) for s in state.stacks),
+      head=with_totals(state.head))
+

@@ -1,0 +1,150 @@
+"""A model as blocks: its functions, its weights and its optimizer state.
+
+A blockwise model is **embed -> scan over stacked blocks -> head**: the
+blocks of a stack share one tree of weights with a leading block axis
+(``lax.scan`` or ``nnx.scan`` over ``nnx.vmap``-built blocks, as in MaxText
+and MaxDiffusion), and there may be several stacks one after the other
+(FLUX: 19 double-stream, then 38 single-stream blocks)::
+
+    carry, consts = embed(theta_E, batch)
+    carry = block_s(theta_{s,i}, carry, consts)     for each stack s, block i
+    carry = transition_s(carry, consts)             between stacks s and s + 1
+    loss  = head(theta_H, carry, consts, batch)
+
+``consts`` are the values every block reads and none changes (FLUX's
+conditioning vector and rotary tables); a transition has no weights (FLUX
+joins its text and image tokens between its two stacks).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Carry = Any
+Consts = Any
+Batch = Any
+
+
+class ContinueStack:
+  """The type of ``continue_stack``: a transition that joins two parts of one
+  stack. The step tells a split stack by this type (``BlockwiseModel.joins``)."""
+
+  def __call__(self, carry: Carry, consts: Consts) -> Carry:
+    del consts
+    return carry
+
+  def __repr__(self) -> str:
+    return "continue_stack"
+
+
+#: The transition between two parts of one stack (``stream_blocks``): the
+#: identity. The step sums the parts' cotangents of ``consts`` as it would
+#: one stack's, so splitting a stack changes no bit of the gradients.
+continue_stack = ContinueStack()
+
+
+class BlockwiseModel(NamedTuple):
+  """A model as embed -> scan over stacked blocks -> head, as pure functions.
+
+  Attributes:
+    embed: ``embed(embed_params, batch) -> (carry, consts)``.
+    blocks: one function per stack, ``block(block_params, carry, consts) ->
+      carry``, where ``block_params`` is one block's slice of the stack (no
+      leading axis) and the carry keeps its structure, shapes and dtypes.
+    head: ``head(head_params, carry, consts, batch) -> loss``, a scalar.
+    transitions: none, or one function per pair of consecutive stacks,
+      ``transition(carry, consts) -> carry``, run after stack ``s`` (the
+      next stack's carry may have another structure), or None where
+      nothing runs. ``continue_stack`` joins the parts of a stack that
+      ``stream_blocks`` split.
+  """
+  embed: Callable[[Any, Batch], tuple[Carry, Consts]]
+  blocks: tuple[Callable[[Any, Carry, Consts], Carry], ...]
+  head: Callable[[Any, Carry, Consts, Batch], jax.Array]
+  transitions: tuple[Callable[[Carry, Consts], Carry], ...] = ()
+
+  def transition(self, s: int) -> Optional[Callable[[Carry, Consts], Carry]]:
+    """What runs after stack ``s``, or None (nothing)."""
+    if not self.transitions or s == len(self.blocks) - 1:
+      return None
+    return self.transitions[s]
+
+  def joins(self, s: int) -> bool:
+    """Whether stacks ``s`` and ``s + 1`` are two parts of one stack (joined
+    by ``continue_stack``)."""
+    return isinstance(self.transition(s), ContinueStack)
+
+
+class BlockwiseParams(NamedTuple):
+  """The weights: ``stacks[s]`` has a leading axis of one entry per block."""
+  embed: Any
+  stacks: tuple[Any, ...]
+  head: Any
+
+
+class BlockwiseState(NamedTuple):
+  """``tx``'s state per group; each stack's is its blocks' states stacked."""
+  embed: optax.OptState
+  stacks: tuple[optax.OptState, ...]
+  head: optax.OptState
+
+
+
+def check_params(model: BlockwiseModel, params: BlockwiseParams) -> None:
+  check_stacks(params)
+  if len(params.stacks) != len(model.blocks):
+    raise ValueError(f"the model has {len(model.blocks)} block functions but "
+                     f"params.stacks has {len(params.stacks)} stacks")
+  if model.transitions and len(model.transitions) != len(model.blocks) - 1:
+    raise ValueError(f"the model has {len(model.transitions)} transitions "
+                     f"for {len(model.blocks)} stacks; give one per pair of "
+                     "consecutive stacks, or none")
+
+
+def check_stacks(params: Any) -> None:
+  """A ``BlockwiseParams`` whose stacks' leaves share a leading block axis,
+  and no array an earlier jitted call took (donated)."""
+  if not isinstance(params, BlockwiseParams):
+    raise TypeError(f"params must be a BlockwiseParams, got "
+                    f"{type(params).__name__}")
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        and x.is_deleted()):
+      raise ValueError(
+          f"params{jax.tree_util.keystr(path)} was donated to an earlier "
+          "jitted call (its buffer is deleted): pass the arrays that call "
+          "returned")
+  for s, stack in enumerate(params.stacks):
+    if isinstance(stack, (list, tuple)):
+      raise TypeError(
+          f"params.stacks[{s}] is a {type(stack).__name__} of "
+          f"{len(stack)} entries; a stack is one tree whose leaves carry the "
+          "blocks on a leading axis: jax.tree.map(lambda *b: jnp.stack(b), "
+          "*blocks)")
+    flat = jax.tree_util.tree_flatten_with_path(stack)[0]
+    if not flat:
+      raise ValueError(f"params.stacks[{s}] has no arrays")
+    first_path, first = flat[0][0], jnp.shape(flat[0][1])
+    for path, x in flat:
+      shape = jnp.shape(x)
+      if not shape or not first or shape[0] != first[0]:
+        raise ValueError(
+            f"params.stacks[{s}]: every leaf needs the same leading (block) "
+            f"axis; leaf {jax.tree_util.keystr(path)} has shape "
+            f"{list(shape)}, the first leaf "
+            f"{jax.tree_util.keystr(first_path)} {list(first)}")
+
+
+def num_blocks(stack: Any) -> int:
+  """The number of blocks in a stack (its leaves' leading axis)."""
+  leaves = jax.tree.leaves(stack)
+  if not leaves or not jnp.shape(leaves[0]):
+    raise ValueError(
+        f"num_blocks: a stack is a tree whose leaves have a leading block "
+        f"axis; got {'no leaves' if not leaves else 'a scalar leaf'}")
+  return jnp.shape(leaves[0])[0]
+

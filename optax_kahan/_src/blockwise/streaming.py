@@ -1,0 +1,297 @@
+"""Streaming: blocks' weights, state and residuals kept in host memory.
+
+``stream_blocks`` moves the last blocks of each stack to host memory
+(``pinned_host``) and gives every stacked host leaf a spare buffer
+(``DoubleBuffer``); ``blockwise_step`` then streams them through the device
+(``pipeline``), a block read from one buffer and written into the other, so
+a write-back and the next fetch are independent and both PCIe directions run
+beside the compute. ``join_stacks`` undoes the layout; ``front_buffers`` and
+``with_front_buffers`` read and write its values (checkpoints).
+
+References:
+  sd-scripts (kohya-ss) ``--blocks_to_swap``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from optax_kahan._src import placement
+from optax_kahan._src.blockwise.model import BlockwiseModel
+from optax_kahan._src.blockwise.model import BlockwiseParams
+from optax_kahan._src.blockwise.model import BlockwiseState
+from optax_kahan._src.blockwise.model import check_params
+from optax_kahan._src.blockwise.model import continue_stack
+from optax_kahan._src.blockwise.model import num_blocks
+from optax_kahan._src.double_buffer import DoubleBuffer
+from optax_kahan._src.double_buffer import front_buffers
+from optax_kahan._src.double_buffer import is_double as _is_double
+
+
+#: Compiler options for a streamed step: ``jax.jit(step,
+#: compiler_options=STREAMING_COMPILER_OPTIONS)``. By default XLA:GPU's
+#: latency-hiding scheduler keeps about one asynchronous host transfer in
+#: flight beside the compute and runs the others back to back. A streamed
+#: block moves one transfer per host leaf in each direction (FLUX.1-dev's
+#: double block, weights, state and residuals streamed: about 80 each way),
+#: and its transfers should all be in flight at once: at a limit of 64 the
+#: fetches of a streamed block wait for write-backs to free a slot. With
+#: this (experimental) option the FLUX.1-dev step hides most of its PCIe
+#: time (``benchmarks/streaming.py`` compiles it both ways). XLA:CPU
+#: accepts and ignores it.
+STREAMING_COMPILER_OPTIONS: dict[str, Any] = {
+    "xla_gpu_experimental_parallel_async_compute_limit": 256}
+
+
+def with_front_buffers(layout: Any, values: Any) -> Any:
+  """``layout`` holding ``values``: the inverse of ``front_buffers``.
+
+  ``values`` is laid out as ``front_buffers(layout)`` (a checkpoint of it,
+  say); each ``DoubleBuffer`` of ``layout`` gets its value as its front and
+  keeps its spare, and every other leaf is replaced by its value. Save
+  ``front_buffers((params, state))`` rather than the pairs: a pair's role is
+  part of the tree's structure, not its arrays, so a checkpoint of the pairs
+  restored into a layout with the other role would read the stale buffer.
+
+  Example:
+    >>> layout = {"w": DoubleBuffer(jnp.zeros(2), jnp.ones(2)), "b": 0.0}
+    >>> tree = with_front_buffers(layout, {"w": jnp.full(2, 5.0), "b": 1.0})
+    >>> front_buffers(tree)["w"].tolist(), tree["w"].back.tolist(), tree["b"]
+    ([5.0, 5.0], [1.0, 1.0], 1.0)
+
+  Args:
+    layout: a tree with ``DoubleBuffer`` nodes (``stream_blocks``' layout).
+    values: the values, as ``front_buffers(layout)`` is laid out.
+
+  Returns:
+    ``layout``'s pairs and roles, ``values``' arrays.
+
+  Raises:
+    ValueError: for a value in device memory where ``layout``'s is in host
+      memory (orbax restores host arrays whose type says device memory:
+      ``jax.device_put(x, jax.memory.Space.Host)`` places them), or a spare
+      buffer a donating step has deleted, naming the leaf.
+  """
+  def put(path, x, value):
+    front = x.front if _is_double(x) else x
+    if placement.on_host(front) and not placement.on_host(value):
+      raise ValueError(
+          f"with_front_buffers: {jax.tree_util.keystr(path)} is in host "
+          f"memory in the layout but not in values; place it with "
+          f"jax.device_put(value, jax.memory.Space.Host)")
+    if not _is_double(x):
+      return value
+    spare = x.b if x.front_is_a else x.a
+    if isinstance(spare, jax.Array) and spare.is_deleted():
+      raise ValueError(
+          f"with_front_buffers: the spare buffer of "
+          f"{jax.tree_util.keystr(path)} in layout was deleted (a jitted "
+          "step donated it); pass the layout the last step returned, or a "
+          "new one from ok.blockwise.stream_blocks")
+    if x.front_is_a:
+      return DoubleBuffer(value, x.b, True)
+    return DoubleBuffer(x.a, value, False)
+
+  return jax.tree_util.tree_map_with_path(put, layout, values,
+                                          is_leaf=_is_double)
+
+
+def flip(tree: Any, new: Any) -> Any:
+  """``new`` (laid out as ``front_buffers(tree)``) placed as ``tree`` is: each
+  ``DoubleBuffer``'s new values in its back buffer, which becomes front."""
+  return jax.tree.map(lambda x, y: x.flip(y) if _is_double(x) else y, tree,
+                      new, is_leaf=_is_double)
+
+
+def check_not_doubled(tree: Any, what: str, instead: str) -> None:
+  for path, x in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=_is_double)[0]:
+    if _is_double(x):
+      raise ValueError(
+          f"{what}: {jax.tree_util.keystr(path)} is a DoubleBuffer "
+          f"(stream_blocks' layout already); {instead}")
+
+
+def _spare(x: Any) -> Any:
+  """A second host buffer like ``x`` (its contents never read)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x
+  # made in host memory, not on the device and copied out
+  return jax.device_put(np.zeros(x.shape, x.dtype), x.sharding)
+
+
+def _part(x: Any, start: int, stop: int, kind: Optional[str]) -> Any:
+  """Blocks ``start:stop`` of a stacked leaf (an array or an abstract
+  ``jax.ShapeDtypeStruct``), in memory ``kind`` (``"pinned_host"`` or
+  ``"device"``; None: where ``x`` is)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    sharding = x.sharding
+    if kind is not None and sharding is not None:
+      sharding = sharding.with_memory_kind(kind)
+    return jax.ShapeDtypeStruct((stop - start, *x.shape[1:]), x.dtype,
+                                sharding=sharding)
+  part = lax.slice_in_dim(x, start, stop)
+  if kind == "pinned_host":
+    return placement.to_host(part)
+  if kind == "device" and placement.in_host_memory(part):
+    return placement.to_device(part)
+  return part
+
+
+def stream_blocks(
+    model: BlockwiseModel, params: BlockwiseParams, state: BlockwiseState,
+    num_streamed: Sequence[int], *, spare_buffers: bool = True,
+) -> tuple[BlockwiseModel, BlockwiseParams, BlockwiseState]:
+  """Moves the last blocks of each stack, weights and state, to host memory.
+
+  ``blockwise_step`` streams whatever lives in host memory (``pinned_host``):
+  the forward pass fetches block ``j + 1``'s weights while block ``j``
+  computes; the backward pass, while block ``j`` computes, writes block
+  ``j + 1``'s new weights, state and residuals back and fetches block
+  ``j - 1``'s. The device then holds two blocks of those stacks instead of
+  all of them (sd-scripts' ``--blocks_to_swap``, applied to the optimizer
+  state and ``kahan``'s residuals too).
+
+  Layout: stack ``s`` with ``0 < num_streamed[s] < num_blocks`` becomes two
+  parts, its first blocks on the device and its last ``num_streamed[s]`` in
+  host memory, joined by the transition ``continue_stack``. The weights of
+  the blocks not streamed go to the device from wherever they are (a model
+  too large for it is loaded into host memory first); their state stays
+  where it is (``kahan``'s residuals in host memory). With
+  ``spare_buffers``, every leaf of the stacks in host memory (streamed, or
+  ``kahan``'s residuals) becomes a ``DoubleBuffer``: the step reads one
+  buffer and writes the other, so both PCIe directions run beside the
+  compute, at the cost of a second copy in host memory. ``num_streamed = (0, ...)`` moves
+  nothing and gives the residuals their spare. ``join_stacks`` undoes the
+  layout.
+
+  The arithmetic is unchanged: the step computes what it computes without
+  streaming, bit for bit (Prodigy's late sums aside: they add the parts'
+  sums in another order). Call it after ``blockwise_init``, on arrays or on
+  abstract ``jax.ShapeDtypeStruct`` leaves (to compile ahead).
+
+  Example:
+    >>> import optax
+    >>> model = BlockwiseModel(
+    ...     embed=lambda p, x: (x * p["w"], ()),
+    ...     blocks=(lambda p, h, _: jnp.tanh(h @ p["w"]),),
+    ...     head=lambda p, h, _, x: jnp.mean((h @ p["w"] - x) ** 2))
+    >>> params = BlockwiseParams(
+    ...     embed={"w": jnp.ones(4)}, stacks=({"w": jnp.ones((5, 4, 4)) / 4},),
+    ...     head={"w": jnp.eye(4)})
+    >>> tx = optax.adamw(1e-3)
+    >>> state = blockwise_init(tx, params)
+    >>> model, params, state = stream_blocks(model, params, state, (3,))
+    >>> [num_blocks(stack) for stack in params.stacks]  # device, host
+    [2, 3]
+    >>> loss, params, state = blockwise_step(model, tx, params, state,
+    ...                                      jnp.arange(4.0))
+
+  Args:
+    model: the model's functions.
+    params: a ``BlockwiseParams``.
+    state: its ``BlockwiseState`` (from ``blockwise_init``).
+    num_streamed: per stack, how many of its last blocks live in host
+      memory (0 to its number of blocks).
+    spare_buffers: give every leaf of the stacks in host memory a second
+      buffer (``DoubleBuffer``): twice the host memory of what is streamed, the
+      copies hidden behind the compute. False keeps one buffer per leaf:
+      each leaf's fetch waits for its write-back.
+
+  Returns:
+    ``(model, params, state)`` with the stacks split and placed.
+
+  Raises:
+    ValueError: for a count per stack that does not fit.
+  """
+  check_params(model, params)
+  check_not_doubled((params, state), "stream_blocks",
+                     "join the stacks first (join_stacks)")
+  counts = [num_blocks(stack) for stack in params.stacks]
+  if (not isinstance(num_streamed, (tuple, list))
+      or len(num_streamed) != len(counts)
+      or not all(isinstance(k, int) for k in num_streamed)):
+    raise ValueError(
+        f"stream_blocks: num_streamed must be a tuple of {len(counts)} ints, "
+        f"one per stack (blocks per stack: {tuple(counts)}): how many of each "
+        f"stack's last blocks to stream, e.g. {tuple(counts)} for all of "
+        f"them; got {num_streamed!r}")
+  if len(state.stacks) != len(counts):
+    raise ValueError(
+        f"stream_blocks: state has {len(state.stacks)} stacks and params "
+        f"{len(counts)}: give the state blockwise_init made for these params")
+  blocks, transitions, stacks, states = [], [], [], []
+  for s, (k, stack, stack_state) in enumerate(
+      zip(num_streamed, params.stacks, state.stacks)):
+    n = num_blocks(stack)
+    if not 0 <= k <= n:
+      raise ValueError(f"stream_blocks: num_streamed[{s}] = {k}, but stack "
+                       f"{s} has {n} blocks")
+    parts = [(a, b) for a, b in ((0, n - k), (n - k, n)) if a < b]
+    for j, (a, b) in enumerate(parts):
+      if blocks:  # what runs between this part and the one before it
+        transitions.append(continue_stack if j else model.transition(s - 1))
+      # Streamed blocks go to host memory; the others' weights to the
+      # device (from wherever they were loaded), their state stays put
+      # (kahan's residuals in host memory, unless offload=False).
+      streamed = a == n - k
+      def place(x, kind=None):  # used at once: a, b, streamed are current
+        y = _part(x, a, b, "pinned_host" if streamed else kind)
+        if spare_buffers and placement.in_host_memory(y):
+          return DoubleBuffer(y, _spare(y))
+        return y
+
+      blocks.append(model.blocks[s])
+      stacks.append(jax.tree.map(lambda x: place(x, kind="device"), stack))
+      states.append(jax.tree.map(place, stack_state))
+  return (BlockwiseModel(model.embed, tuple(blocks), model.head,
+                         tuple(transitions)),
+          BlockwiseParams(params.embed, tuple(stacks), params.head),
+          BlockwiseState(state.embed, tuple(states), state.head))
+
+
+def join_stacks(model: BlockwiseModel, params: BlockwiseParams
+                ) -> tuple[BlockwiseModel, BlockwiseParams]:
+  """Undoes ``stream_blocks``: each stack whole again, in device memory.
+
+  The parts joined by ``continue_stack`` are concatenated (the values of a
+  ``DoubleBuffer``), so the weights can be written back into the model
+  (``nnx.update``) or exported. Works on any tree laid out like the params:
+  pass ``kahan_residuals(state)`` for the residuals.
+
+  Args:
+    model: the model ``stream_blocks`` returned.
+    params: a ``BlockwiseParams`` laid out as that model's stacks.
+
+  Returns:
+    ``(model, params)`` with one stack per original stack.
+  """
+  if not isinstance(model, BlockwiseModel):
+    raise TypeError(f"join_stacks: model must be the BlockwiseModel "
+                    f"stream_blocks returned, got {type(model).__name__}")
+  if (not isinstance(params, BlockwiseParams)
+      or len(params.stacks) != len(model.blocks)):
+    raise ValueError(
+        f"join_stacks: params must be a BlockwiseParams with "
+        f"{len(model.blocks)} stacks, as the model's, got "
+        f"{type(params).__name__}")
+  params = front_buffers(params)
+  groups = [[0]]
+  for s in range(1, len(params.stacks)):
+    if model.joins(s - 1):
+      groups[-1].append(s)
+    else:
+      groups.append([s])
+  stacks = [jax.tree.map(lambda *xs: jnp.concatenate(
+      [placement.on_device(x) for x in xs]), *[params.stacks[s] for s in g])
+            for g in groups]
+  transitions = (tuple(model.transition(g[-1]) for g in groups[:-1])
+                 if model.transitions else ())
+  return (BlockwiseModel(model.embed, tuple(model.blocks[g[0]] for g in groups),
+                         model.head, transitions),
+          BlockwiseParams(params.embed, tuple(stacks), params.head))
