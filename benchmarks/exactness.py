@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 import optax_kahan as ok
-from tests import test_same_answer as corpus
+from benchmarks import corpus
 
 PROGRAMS = ["adamw(mask by path)", "ok.prodigy_factored", "sgd"]
 
@@ -55,8 +55,8 @@ def _parts(name, offload, device):
   """The step's parts, each computed on ``device`` from the CPU's inputs."""
   cpu = jax.devices("cpu")[0]
   with jax.default_device(cpu):
-    x = jax.tree.map(lambda p: p.astype(jnp.float32), corpus._params())
-    g = corpus._grads(0)
+    x = jax.tree.map(lambda p: p.astype(jnp.float32), corpus.params())
+    g = corpus.grads(0)
     inner = corpus.PROGRAMS[name]().init(x)
   with jax.default_device(device):
     tx = ok.kahan(corpus.PROGRAMS[name](), offload=offload)

@@ -167,7 +167,7 @@ def _nbytes(shape: str) -> int:
   return _BYTES[m.group(1)] * math.prod(dims)
 
 
-def _entry(hlo: str) -> list[tuple[str, str, str, list[str], str]]:
+def hlo_entry(hlo: str) -> list[tuple[str, str, str, list[str], str]]:
   """The entry computation, in schedule order: (name, type, op, operands)."""
   body = hlo[hlo.index("\nENTRY"):]
   body = body[:body.index("\n}\n")]
@@ -201,7 +201,7 @@ def _last_reader(entry, start: int, name: str) -> int:
 
 def schedule_report(hlo: str) -> dict[str, Any]:
   """Residual copies, their staging and overlap, from the scheduled HLO."""
-  entry = _entry(hlo)
+  entry = hlo_entry(hlo)
   where = {n: i for i, (n, *_) in enumerate(entry)}
   events, h2d, d2h = [], [], []
   for i, (name, typ, op, operands, _) in enumerate(entry):
@@ -231,7 +231,7 @@ def schedule_report(hlo: str) -> dict[str, Any]:
           "conditionals": len(re.findall(r"\sconditional\(", hlo))}
 
 
-def _type_bytes(typ: str) -> int:
+def type_bytes(typ: str) -> int:
   """Bytes of every array in an HLO type (a tuple's elements summed)."""
   return sum(_nbytes(a) for a in re.findall(r"\w+\[[\d,]*\]", typ)
              if a.split("[")[0] in _BYTES)
@@ -241,12 +241,12 @@ def bytes_accessed(hlo: str) -> int:
   """HBM traffic of the entry's kernels: each reads its operands, writes
   its outputs (``compiled.cost_analysis()`` is not available without a
   device). Host copies are counted separately."""
-  entry = _entry(hlo)
+  entry = hlo_entry(hlo)
   types = {n: typ for n, typ, *_ in entry}
   total = 0
   for _, typ, op, operands, _ in entry:
     if op in ("fusion", "custom-call", "copy"):
-      total += _type_bytes(typ) + sum(_type_bytes(types.get(o, ""))
+      total += type_bytes(typ) + sum(type_bytes(types.get(o, ""))
                                       for o in operands)
   return total
 

@@ -69,7 +69,7 @@ def _step(hyper_on_host: bool):
 def read_program(hlo: str) -> dict:
   """The host call, its device operands, its output copies and the
   schedule, from the compiled entry computation."""
-  entry = gpu_compile._entry(hlo)  # (name, type, op, operands, index)
+  entry = gpu_compile.hlo_entry(hlo)  # (name, type, op, operands, index)
   types = {name: typ for name, typ, *_ in entry}
   order = {name: i for i, (name, *_) in enumerate(entry)}
   starts = [e for e in entry  # an asynchronous call that is not a copy
@@ -83,13 +83,13 @@ def read_program(hlo: str) -> dict:
               and start[0] in e[3])
   device_ops = [o for o in start[3] if "S(5)" not in types.get(o, "S(5)")]
   row["device_operands"] = len(device_ops)
-  row["device_operand_bytes"] = sum(gpu_compile._type_bytes(types[o])
+  row["device_operand_bytes"] = sum(gpu_compile.type_bytes(types[o])
                                     for o in device_ops)
   outs = {e[0] for e in entry if e[2] == "get-tuple-element"
           and done[0] in e[3]}
   copies = [e for e in entry if e[2] == "copy" and set(e[3]) & outs]
   row["host_output_copies"] = len(copies)
-  row["host_output_copy_bytes"] = sum(gpu_compile._type_bytes(e[1])
+  row["host_output_copy_bytes"] = sum(gpu_compile.type_bytes(e[1])
                                       for e in copies)
   gemms = [e for e in entry if "gemm" in e[0] or "dot" in e[0]]
   last = gemms[-1] if gemms else None

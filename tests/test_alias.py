@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import optax_kahan as ok
+from _matrix import sampled
 from _steps import commit
 from benchmarks import model_shapes
 
@@ -51,8 +52,10 @@ def _loss(params):
       jnp.square(params["conv"].astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name, dtype", sampled(
+    [(n, d) for n in sorted(OPTIMIZERS) for d in (jnp.float32, jnp.bfloat16)],
+    0, every=2, ids=[f"{d}-{n}" for n in sorted(OPTIMIZERS)
+                     for d in ("float32", "bfloat16")]))
 def test_descends_with_matching_dtypes_and_one_compile(name, dtype):
   tx = OPTIMIZERS[name]()
   params = _params(dtype)

@@ -122,7 +122,8 @@ def test_blockwise_equals_the_ordinary_step_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: ok.prodigy(lagged_d=True, weight_decay=0.01),
+    pytest.param(lambda: ok.prodigy(lagged_d=True, weight_decay=0.01),
+                 marks=pytest.mark.slow),  # the same lag: slow suite
     lambda: ok.prodigy_factored(lagged_d=True, slice_p=3)],
     ids=["prodigy", "prodigy_factored"])
 def test_blockwise_prodigy_matches_the_lagged_reference(make):
@@ -343,8 +344,11 @@ def stacked_step(tx, params, state, b):
 # order of the sums) to 4e-5 in the weights by step 14. The teacher-forced
 # bound test below covers prodigy_factored's default.
 @pytest.mark.parametrize("make", [
-    lambda: ok.prodigy_factored(lagged_d=True, slice_p=3,
-                                bias_corrected_clip=False),
+    # 30 free-running steps of the lagged d: slow suite (the lag itself is
+    # checked in the default suite above)
+    pytest.param(lambda: ok.prodigy_factored(lagged_d=True, slice_p=3,
+                                             bias_corrected_clip=False),
+                 marks=pytest.mark.slow),
     lambda: optax.chain(ok.scale_by_factored_second_moment(),
                         optax.scale(-3e-3))],
     ids=["prodigy_factored", "factored_second_moment"])

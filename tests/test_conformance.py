@@ -15,7 +15,9 @@ Explicit and Auto sharding on a leading and a non-leading axis (8 CPU
 devices, in a child process); bf16, float32 and mixed param trees.
 
 The params are tiny (a bf16 kernel, a bf16 vector and a float32 vector) so
-that each case compiles in well under a second.
+that each case compiles in well under a second. The default suite runs a
+third of each column's rows, a different third per column (``_matrix``);
+``pytest -m slow`` the rest.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from flax.training import train_state
 
 import optax_kahan as ok
 
+from _matrix import sampled
 from _subprocess import run as run_child
 
 KEY = jax.random.key(0)
@@ -149,8 +152,10 @@ def assert_dtypes(params, like):
       lambda p: p.dtype, like)
 
 
-@pytest.mark.parametrize("kind", ["mixed", "bfloat16", "float32"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name, kind", sampled(
+    [(n, k) for n in NAMES for k in ("mixed", "bfloat16", "float32")], 0,
+    every=4, ids=[f"{n}-{k}" for n in NAMES
+                  for k in ("mixed", "bfloat16", "float32")]))
 def test_jit_donation_one_compile_three_steps(name, kind):
   tx = make(name)
   params = params_of(kind, committed=name in KAHAN)
@@ -171,7 +176,7 @@ def test_jit_donation_one_compile_three_steps(name, kind):
   assert not np.array_equal(before["kernel"], after["kernel"])
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sampled(NAMES, 0))
 def test_nnx_optimizer_and_float32_export(name):
 
   class Model(nnx.Module):
@@ -209,7 +214,7 @@ def test_nnx_optimizer_and_float32_export(name):
         np.asarray(model.dense.kernel[...], np.float32))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sampled(NAMES, 1))
 def test_linen_train_state(name):
   model = nn.Dense(3, param_dtype=jnp.bfloat16)
   variables = model.init(jax.random.key(0), X)
@@ -229,7 +234,7 @@ def test_linen_train_state(name):
   assert_moved(state.params, new.params)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sampled(NAMES, 2))
 def test_inject_hyperparams_matches_fixed(name):
   params = params_of()
   lr = default_lr(name) / 2
@@ -256,7 +261,7 @@ def test_inject_hyperparams_matches_fixed(name):
                                  atol=2.0**-6 * np.abs(y).max())
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sampled(NAMES, 3))
 def test_multisteps_applies_every_second_call(name):
   tx = optax.MultiSteps(make(name), every_k_schedule=2)
   params = params_of()
@@ -271,7 +276,7 @@ def test_multisteps_applies_every_second_call(name):
   assert_dtypes(p2, params)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sampled(NAMES, 4))
 def test_masked_and_partition(name):
   # masked: the masked-out leaves' updates are their gradients (optax's
   # rule); partition with set_to_zero freezes them.
@@ -300,7 +305,7 @@ def test_masked_and_partition(name):
       assert exact32["bias"].dtype == jnp.float32
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sampled(NAMES, 5))
 def test_apply_if_finite_skips_a_nan_step(name):
   # Inside kahan and stochastic_rounding: their float32 deltas do not fit
   # apply_if_finite's rejected branch, zeros in the gradients' dtype (bf16),
@@ -333,7 +338,7 @@ def test_apply_if_finite_skips_a_nan_step(name):
   assert step._cache_size() == 1
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sampled(NAMES, 6))
 def test_chain_with_global_norm_clipping(name):
   tx = optax.chain(optax.clip_by_global_norm(1e-3), make(name))
   params = params_of()
@@ -342,7 +347,7 @@ def test_chain_with_global_norm_clipping(name):
   assert_dtypes(p, params)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sampled(NAMES, 7))
 def test_constant_schedule_equals_constant(name):
   params = params_of()
   lr = default_lr(name)
@@ -354,7 +359,7 @@ def test_constant_schedule_equals_constant(name):
                                   np.asarray(b[k], np.float32))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sampled(NAMES, 8))
 def test_abstract_init_and_eval_shape(name):
   tx = make(name)
   params = params_of()
@@ -365,7 +370,7 @@ def test_abstract_init_and_eval_shape(name):
     assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == real
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sampled(NAMES, 9))
 def test_map_params(name):
   tx = make(name)
   params = params_of()
@@ -374,7 +379,7 @@ def test_map_params(name):
   assert jax.tree.structure(mapped) == jax.tree.structure(state)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sampled(NAMES, 10))
 def test_orbax_round_trip_continues_bit_for_bit(name, tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   tx = make(name)

@@ -281,7 +281,8 @@ _FIT_PROBE = """<script>window.addEventListener("load", () => setTimeout(() => {
 
 @pytest.mark.skipif(shutil.which("chromium") is None,
                     reason="needs headless Chromium (Debian: apt install chromium)")
-@pytest.mark.parametrize("width", [1280, 1024])
+@pytest.mark.parametrize("width", [
+    1280, pytest.param(1024, marks=pytest.mark.slow)])
 def test_pages_fit_and_math_renders_offline(site, tmp_path, width):
   copy = tmp_path / "site"
   shutil.copytree(site, copy)

@@ -95,3 +95,17 @@ def test_no_warning_where_nothing_is_committed():
     optimizer = nnx.Optimizer(model, ok.kahan(optax.sgd(0.1), offload=False),
                               wrt=nnx.Param)
   assert _compiles_of_three_steps(model, optimizer) == 1
+
+
+def test_blockwise_init_of_nnx_params_does_not_warn():
+  # nnx_blockwise's params are nnx.State too, but no nnx.Optimizer holds
+  # them: blockwise_init does not warn about a step counter.
+  state = lambda: jax.device_put(nnx.state(_model(committed=False), nnx.Param),
+                                 jax.devices()[0])
+  params = ok.blockwise.BlockwiseParams(
+      state(), (jax.tree.map(lambda x: jnp.stack([x, x]), state()),), state())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    ok.blockwise.blockwise_init(ok.kahan(optax.sgd(0.1)), params)
+  with pytest.warns(ok.OptaxKahanWarning, match="step counter"):
+    ok.kahan(optax.sgd(0.1)).init(params.embed)  # the same params, directly

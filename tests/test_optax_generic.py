@@ -72,8 +72,9 @@ import optax_kahan as ok  # noqa: E402
 # optax's tests make uncommitted params (kahan warns: a second compilation)
 # and run Prodigy on bf16 params with d0 = 1e-6 (it warns: the run stalls,
 # which these dtype and plumbing checks do not mind).
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::optax_kahan.OptaxKahanWarning")
+# An integration test: in the slow suite (pytest -m slow), with CI.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(
+    "ignore::optax_kahan.OptaxKahanWarning")]
 
 FACTORIES = {
     "prodigy": ok.prodigy,

@@ -15,6 +15,8 @@ import pytest
 import optax_kahan as ok
 from optax_kahan._src import traced
 
+from _matrix import sampled
+
 AXES = {"blocks": {"w": 1, "b": 1}, "deep": 2, "out": 0}
 
 
@@ -53,7 +55,8 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", sampled(list(OPTIMIZERS), 0, every=2,
+                                         ids=list(OPTIMIZERS)))
 def test_per_block_is_tx_on_the_unstacked_tree(name):
   tx = OPTIMIZERS[name]()
   blocked = ok.blockwise.per_block(tx, AXES)

@@ -12,6 +12,7 @@ import optax_kahan as ok
 from optax_kahan._src import traced
 from benchmarks import step_memory
 import _steps
+from _matrix import sampled
 
 SHAPES = {"a": (33, 17), "b": (17,), "c": (8, 5, 6), "d": (40, 24)}
 STEPS = 3
@@ -90,7 +91,8 @@ NAMED = {
 }
 
 
-@pytest.mark.parametrize("name", list(NAMED))
+@pytest.mark.parametrize("name", sampled(list(NAMED), 0, every=2,
+                                         ids=list(NAMED)))
 def test_rows_give_the_whole_tree_programs_updates(name):
   """The same stages, run as one program and row by row (islands here)."""
   params = _params(jnp.float32)
@@ -116,7 +118,8 @@ INNER = {
 }
 
 
-@pytest.mark.parametrize("name", list(INNER))
+@pytest.mark.parametrize("name", sampled(list(INNER), 0, every=2,
+                                         ids=list(INNER)))
 def test_the_gpu_form_of_kahan_computes_the_same_values(name, monkeypatch):
   """for_each_leaf lowers a barrier chain (no conditionals) for GPUs and
   lax.cond islands for the CPU; the chain, forced here on the CPU, evaluates

@@ -1,6 +1,7 @@
 """The same answer as optax: a corpus of programs users write, every path.
 
-Each program is checked against optax's own whole-tree float32 program on a
+Each program of the corpus (``benchmarks/corpus.py``) is checked against
+optax's own whole-tree float32 program on a
 Flax-like tree (``encoder/dense/kernel``, ``bias``, norm ``scale``, a 3-D
 conv kernel, a float32 head), teacher-forced: both start each step from the
 same float32 weights and state.
@@ -30,126 +31,11 @@ import optax
 import pytest
 
 import optax_kahan as ok
+from benchmarks import corpus
 
 ULPS = 4
 
 
-def _params():
-  k = iter(jax.random.split(jax.random.key(3), 8))
-  bf = jnp.bfloat16
-  return {
-      "encoder": {
-          "dense": {"kernel": jax.random.normal(next(k), (6, 8), bf),
-                    "bias": 0.1 * jax.random.normal(next(k), (8,), bf)},
-          "norm": {"scale": 1 + 0.1 * jax.random.normal(next(k), (8,), bf)},
-          "conv": {"kernel": jax.random.normal(next(k), (3, 2, 4), bf)},
-      },
-      "head": {"kernel": jax.random.normal(next(k), (8, 2), jnp.float32),
-               "bias": jnp.zeros((2,), jnp.float32)},
-  }
-
-
-def _grads(step):
-  return jax.tree.map(
-      lambda p: jax.random.normal(jax.random.fold_in(jax.random.key(7), step),
-                                  p.shape, jnp.float32) * 0.3, _params())
-
-
-def _name(path):
-  """The leaf's name: its last dict key (a stacked leaf unstacked by
-  ``per_block`` ends in a tuple index)."""
-  return [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
-
-
-def decay_mask(params):
-  """The usual Flax recipe: no decay on biases and norm scales."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: _name(path) not in ("bias", "scale"), params)
-
-
-def by_shape(params):
-  return jax.tree.map(lambda p: p.ndim > 1, params)
-
-
-def labels(params):
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: "encoder" if path[0].key == "encoder" else "head",
-      params)
-
-
-BOOL_TREE = jax.tree.map(lambda p: p.ndim > 1, _params())
-LABEL_TREE = labels(_params())
-
-# name -> factory (called fresh for each use)
-PROGRAMS = {
-    # optax's aliases
-    "sgd": lambda: optax.sgd(0.1),
-    "sgd(momentum, nesterov)": lambda: optax.sgd(0.1, 0.9, nesterov=True),
-    "adam": lambda: optax.adam(1e-2),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "adamw(mask by path)": lambda: optax.adamw(1e-2, weight_decay=0.5,
-                                               mask=decay_mask),
-    "adamw(mask by shape)": lambda: optax.adamw(1e-2, weight_decay=0.5,
-                                                mask=by_shape),
-    "adamw(bool tree)": lambda: optax.adamw(1e-2, weight_decay=0.5,
-                                            mask=BOOL_TREE),
-    "adamax": lambda: optax.adamax(1e-2),
-    "adabelief": lambda: optax.adabelief(1e-2),
-    "adadelta": lambda: optax.adadelta(1.0),
-    "adafactor": lambda: optax.adafactor(1e-2),
-    "adagrad": lambda: optax.adagrad(1e-2),
-    "adan": lambda: optax.adan(1e-2),
-    "amsgrad": lambda: optax.amsgrad(1e-2),
-    "lamb": lambda: optax.lamb(1e-2),
-    "lars": lambda: optax.lars(1e-2),
-    "lion": lambda: optax.lion(1e-3, weight_decay=0.1),
-    "lion(mask by path)": lambda: optax.lion(1e-3, weight_decay=0.5,
-                                             mask=decay_mask),
-    "nadamw": lambda: optax.nadamw(1e-2),
-    "novograd": lambda: optax.novograd(1e-2),
-    "radam": lambda: optax.radam(1e-2),
-    "rmsprop": lambda: optax.rmsprop(1e-2, momentum=0.9),
-    "sm3": lambda: optax.sm3(1e-2),
-    "yogi": lambda: optax.yogi(1e-2),
-    "noisy_sgd": lambda: optax.noisy_sgd(0.1, key=0),
-    # wrappers
-    "masked(adam, callable)": lambda: optax.masked(optax.adam(1e-2),
-                                                   decay_mask),
-    "masked(adam, bool tree)": lambda: optax.masked(optax.adam(1e-2),
-                                                    BOOL_TREE),
-    "multi_transform(label fn)": lambda: optax.multi_transform(
-        {"encoder": optax.adam(1e-2), "head": optax.sgd(0.1)}, labels),
-    "multi_transform(label tree)": lambda: optax.multi_transform(
-        {"encoder": optax.adam(1e-2), "head": optax.sgd(0.1)}, LABEL_TREE),
-    "partition(label fn)": lambda: optax.partition(
-        {"encoder": optax.adamw(1e-2), "head": optax.lion(1e-3)}, labels),
-    "inject_hyperparams(adamw)": lambda: optax.inject_hyperparams(
-        optax.adamw)(learning_rate=1e-2, weight_decay=0.1),
-    "MultiSteps(adam, 2)": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
-    "apply_if_finite(adam)": lambda: optax.apply_if_finite(optax.adam(1e-2),
-                                                           2),
-    "named_chain": lambda: optax.named_chain(
-        ("clip", optax.clip(1.0)), ("adam", optax.adam(1e-2))),
-    "add_decayed_weights(mask) + sgd": lambda: optax.chain(
-        optax.add_decayed_weights(0.5, mask=decay_mask), optax.sgd(1.0)),
-    # global statistics and randomness
-    "clip_by_global_norm + adamw": lambda: optax.chain(
-        optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
-    "clip_by_block_rms + adam": lambda: optax.chain(
-        optax.clip_by_block_rms(0.1), optax.adam(1e-2)),
-    "add_noise + sgd": lambda: optax.chain(optax.add_noise(0.01, 0.55, 0),
-                                           optax.sgd(0.1)),
-    # contrib
-    "contrib.prodigy": lambda: optax.contrib.prodigy(),
-    "contrib.schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(
-        1e-2),
-    # this package's
-    "ok.prodigy": lambda: ok.prodigy(d0=1e-3),
-    "ok.prodigy_factored": lambda: ok.prodigy_factored(d0=1e-3),
-    "ok.stable_adamw": lambda: ok.stable_adamw(1e-2),
-    "ok.per_leaf.chain(ok.per_leaf.clip_by_global_norm, adamw)": lambda: ok.per_leaf.chain(
-        ok.per_leaf.clip_by_global_norm(0.5), optax.adamw(1e-2)),
-}
 QUICK = ["adamw(mask by path)", "add_decayed_weights(mask) + sgd",
          "multi_transform(label fn)", "masked(adam, callable)", "noisy_sgd",
          "clip_by_global_norm + adamw", "apply_if_finite(adam)",
@@ -158,7 +44,7 @@ QUICK = ["adamw(mask by path)", "add_decayed_weights(mask) + sgd",
 
 def _cases(names_quick):
   return [pytest.param(n, marks=() if n in names_quick else pytest.mark.slow)
-          for n in PROGRAMS]
+          for n in corpus.PROGRAMS]
 
 
 def _assert_close(got, want, what, old=None):
@@ -183,12 +69,12 @@ def _assert_close(got, want, what, old=None):
 def _teacher_forced(name, run_step, steps=2):
   """Feeds ``run_step(x32, state, grads) -> (new x32, new state)`` optax's
   own float32 weights and state at each step and compares."""
-  tx = PROGRAMS[name]()
-  x = jax.tree.map(lambda p: p.astype(jnp.float32), _params())
+  tx = corpus.PROGRAMS[name]()
+  x = jax.tree.map(lambda p: p.astype(jnp.float32), corpus.params())
   state = tx.init(x)
   ref = jax.jit(tx.update)
   for step in range(steps):
-    g = _grads(step)
+    g = corpus.grads(step)
     u, new_state = ref(g, state, x)
     want = optax.apply_updates(x, u)
     got, got_state = run_step(x, state, g)
@@ -198,10 +84,21 @@ def _teacher_forced(name, run_step, steps=2):
     x, state = want, new_state
 
 
-@pytest.mark.parametrize("offload", [True, False])
-@pytest.mark.parametrize("name", _cases(QUICK))
+def _kahan_cases():
+  """Each quick program once in the default suite, offloaded or not by
+  turns; the other placement, and the other programs, in the slow one."""
+  cases = []
+  for k, name in enumerate(corpus.PROGRAMS):
+    for offload in (True, False):
+      quick = name in QUICK and offload == (k % 2 == 0)
+      cases.append(pytest.param(name, offload, id=f"{name}-{offload}",
+                                marks=() if quick else pytest.mark.slow))
+  return cases
+
+
+@pytest.mark.parametrize("name, offload", _kahan_cases())
 def test_kahan_gives_optaxs_answer(name, offload):
-  tx = ok.kahan(PROGRAMS[name](), offload=offload)
+  tx = ok.kahan(corpus.PROGRAMS[name](), offload=offload)
   step = jax.jit(tx.update)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", ok.OptaxKahanWarning)
@@ -220,12 +117,12 @@ def test_kahan_gives_optaxs_answer(name, offload):
 
 @pytest.mark.parametrize("name", _cases(QUICK))
 def test_leafwise_gives_optaxs_answer_or_refuses(name):
-  tx = ok.leafwise(PROGRAMS[name]())
+  tx = ok.leafwise(corpus.PROGRAMS[name]())
   step = jax.jit(tx.update)
   if name in WHOLE_TREE:
-    tx0 = PROGRAMS[name]()
+    tx0 = corpus.PROGRAMS[name]()
     with pytest.raises(ValueError, match="no per-leaf form"):
-      step(_grads(0), tx0.init(_params()), _params())
+      step(corpus.grads(0), tx0.init(corpus.params()), corpus.params())
     return
 
   def run_step(x32, state, g):
@@ -275,7 +172,7 @@ def _unstacked(params):
 BLOCKWISE = {
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
     "adamw(mask by leaf name)": lambda: optax.adamw(
-        1e-2, weight_decay=0.5, mask=decay_mask),
+        1e-2, weight_decay=0.5, mask=corpus.decay_mask),
     "lion": lambda: optax.lion(1e-3),
     "adafactor": lambda: optax.adafactor(1e-2),
     "kahan(adamw)": lambda: ok.kahan(optax.adamw(1e-2), offload=False),
@@ -354,9 +251,9 @@ def test_per_block_gives_optaxs_answer_on_the_unstacked_tree(name):
       k: tuple(v[b] for b in range(3))
       for k, v in t["encoder"]["blocks"].items()}}, "head": t["head"]}
   grads = jax.tree.map(lambda x: 0.1 * jnp.cos(x), stacked)
-  tx = ok.blockwise.per_block(PROGRAMS[name](), axes)
+  tx = ok.blockwise.per_block(corpus.PROGRAMS[name](), axes)
   u, _ = jax.jit(tx.update)(grads, tx.init(stacked), stacked)
-  ref = PROGRAMS[name]()
+  ref = corpus.PROGRAMS[name]()
   w, _ = jax.jit(ref.update)(unstack(grads), ref.init(unstack(stacked)),
                              unstack(stacked))
   _assert_close(unstack(optax.apply_updates(stacked, u)),

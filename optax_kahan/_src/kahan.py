@@ -296,7 +296,9 @@ def _warn_if_nnx_optimizer(params: Any, state: Any) -> None:
         "outputs are committed). Make it with ok.kahan_nnx_optimizer(model, "
         "tx, wrt=...), which commits the counter, or commit it yourself: "
         "optimizer.step.set_value(jax.device_put(optimizer.step.get_value(), "
-        "jax.devices()[0]))", stacklevel=4)
+        "jax.devices()[0])). (A functional NNX loop with no nnx.Optimizer "
+        "and a committed step count of its own has nothing to fix.)",
+        stacklevel=4)
 
 
 def kahan(

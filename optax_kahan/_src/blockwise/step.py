@@ -43,6 +43,7 @@ References:
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -53,6 +54,7 @@ from jax import lax
 from optax_kahan._src import per_leaf
 from optax_kahan._src import placement
 from optax_kahan._src import traced
+from optax_kahan._src import validation
 from optax_kahan._src.blockwise import residuals  # noqa: F401  (registers)
 from optax_kahan._src.blockwise.late_sums import sum_late
 from optax_kahan._src.blockwise.model import Batch
@@ -71,6 +73,7 @@ from optax_kahan._src.blockwise.streaming import check_not_doubled
 from optax_kahan._src.blockwise.streaming import flip
 from optax_kahan._src.double_buffer import front_buffers
 from optax_kahan._src.double_buffer import is_double
+from optax_kahan._src.kahan import NNX_STEP_WARNING
 
 
 def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
@@ -105,11 +108,15 @@ def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
     if not isinstance(tree, BlockwiseParams):
       raise TypeError(f"blockwise_init's argument {i + 2} must be a "
                       f"BlockwiseParams, got {type(tree).__name__}")
-  state = BlockwiseState(
-      embed=tx.init(params.embed, *(a.embed for a in args)),
-      stacks=tuple(jax.vmap(tx.init)(stack, *(a.stacks[s] for a in args))
-                   for s, stack in enumerate(params.stacks)),
-      head=tx.init(params.head, *(a.head for a in args)))
+  with warnings.catch_warnings():
+    # nnx_blockwise's params are nnx.State, but no nnx.Optimizer holds them.
+    warnings.filterwarnings("ignore", message=NNX_STEP_WARNING,
+                            category=validation.OptaxKahanWarning)
+    state = BlockwiseState(
+        embed=tx.init(params.embed, *(a.embed for a in args)),
+        stacks=tuple(jax.vmap(tx.init)(stack, *(a.stacks[s] for a in args))
+                     for s, stack in enumerate(params.stacks)),
+        head=tx.init(params.head, *(a.head for a in args)))
   return placement.commit_with(state, params, "blockwise_init")
 
 
