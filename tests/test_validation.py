@@ -95,7 +95,47 @@ MISTAKES = {
     "join_stacks(None, params)": (
         lambda: ok.blockwise.join_stacks(None, P), TypeError,
         "join_stacks: model must be the BlockwiseModel"),
+    "blockwise_init(tx=optax.adamw)": (
+        lambda: ok.blockwise.blockwise_init(optax.adamw, None), TypeError,
+        r"blockwise_init: tx must be .* call it"),
+    "per_block(optax.adamw, 0)": (
+        lambda: ok.blockwise.per_block(optax.adamw, 0), TypeError,
+        r"per_block: tx must be .* call it"),
+    "stream_blocks(state={})": (
+        lambda: ok.blockwise.stream_blocks(*_blockwise()[:2], {}, (1,)),
+        TypeError, "stream_blocks: state must be the BlockwiseState"),
+    "with_front_buffers(other tree)": (
+        lambda: ok.blockwise.with_front_buffers({"w": jnp.ones(2)},
+                                                {"v": jnp.ones(2)}),
+        ValueError, r"values must be laid out as front_buffers\(layout\); "
+        r"at <root>: layout has a dict with \['w'\]"),
+    "nnx_blockwise(1, ...)": (
+        lambda: ok.blockwise.nnx_blockwise(1, (), 3), TypeError,
+        "nnx_blockwise: embed must be an nnx.Module, got int"),
+    "linen_apply(3)": (lambda: ok.blockwise.linen_apply(3), TypeError,
+                       "linen_apply: module must be a flax.linen Module"),
+    "kahan_nnx_optimizer(3, ...)": (
+        lambda: ok.kahan_nnx_optimizer(3, ok.kahan(optax.sgd(1.0)), wrt=None),
+        TypeError, "kahan_nnx_optimizer: model must be an nnx.Module"),
+    "prodigy_factored(state_dtype='x')": (
+        lambda: ok.prodigy_factored(state_dtype="x"), TypeError,
+        "state_dtype must be a floating dtype"),
+    "stochastic_round_apply_updates(other tree)": (
+        lambda: ok.stochastic_round_apply_updates(
+            P, {"v": jnp.ones((4, 4))}, jax.random.key(0)), ValueError,
+        r"updates do not match the params' tree: at <root>"),
 }
+
+
+def _blockwise():
+  model = ok.blockwise.BlockwiseModel(
+      embed=lambda p, x: (x * p["w"], ()),
+      blocks=(lambda p, h, _: jnp.tanh(h @ p["w"]),),
+      head=lambda p, h, _, x: jnp.mean((h @ p["w"] - x) ** 2))
+  params = ok.blockwise.BlockwiseParams(
+      embed={"w": jnp.ones(4)}, stacks=({"w": jnp.ones((3, 4, 4)) / 4},),
+      head={"w": jnp.eye(4)})
+  return model, params
 
 
 @pytest.mark.parametrize("name", sorted(MISTAKES))

@@ -129,6 +129,7 @@ def prodigy(
   validation.check_beta("b2", b2)
   validation.check_positive("eps", eps)
   validation.check_positive("eps2", eps2, allow_zero=True)
+  validation.check_float_dtype("state_dtype", state_dtype)
   if update_clip is not None:
     validation.check_positive("update_clip", update_clip)
   validation.warn_low_precision_hyperparams(

@@ -53,6 +53,10 @@ def kahan_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation,
     >>> optimizer.step.get_value().committed
     True
   """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"kahan_nnx_optimizer: model must be an nnx.Module, got "
+                    f"{type(model).__name__}")
+  validation.check_transformation("kahan_nnx_optimizer", "tx", tx)
   state = nnx.state(model)
   # Where the committed arrays are (replicated over their mesh), else on the
   # first device.

@@ -39,6 +39,7 @@ import optax
 
 from optax_kahan._src import per_leaf
 from optax_kahan._src import traced
+from optax_kahan._src import validation
 
 
 class _Blocks:
@@ -148,6 +149,7 @@ def per_block(tx: optax.GradientTransformation,
     Shazeer & Stern, "Adafactor", 2018 (per-matrix statistics);
     Mishchenko & Defazio, "Prodigy", 2024.
   """
+  validation.check_transformation("per_block", "tx", tx)
   tx = optax.with_extra_args_support(tx)
 
   def init_fn(params):

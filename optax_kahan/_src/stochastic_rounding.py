@@ -29,6 +29,7 @@ from jax import lax
 
 from optax_kahan._src import validation
 from optax_kahan._src.leaves import landing_delta
+from optax_kahan._src.leaves import leaves_like
 from optax_kahan._src.leaves import map_leaves
 from optax_kahan._src.leaves import needs_residual
 from optax_kahan._src.leaves import upcast
@@ -89,6 +90,7 @@ def stochastic_round_apply_updates(
     return stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), k)
 
   validation.check_key("stochastic_round_apply_updates", key)
+  leaves_like(params, updates, "updates")  # names where the trees differ
   return map_leaves(apply_leaf, params, updates, _leaf_keys(key, params))
 
 

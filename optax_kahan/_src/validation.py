@@ -93,6 +93,19 @@ def check_bool(where: str, name: str, value: Any) -> None:
     raise TypeError(f"{where}: {name} must be True or False, got {value!r}")
 
 
+def check_float_dtype(name: str, dtype: Any) -> None:
+  """Raises TypeError unless ``dtype`` is None or a floating dtype."""
+  if dtype is None:
+    return
+  try:
+    ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+  except TypeError:
+    ok = False
+  if not ok:
+    raise TypeError(f"{name} must be a floating dtype such as jnp.bfloat16 "
+                    f"or jnp.float32 (or None), got {dtype!r}")
+
+
 def check_key(where: str, key: Any) -> None:
   """Raises TypeError unless ``key`` is a JAX PRNG key: a typed key
   (``jax.random.key``) or a raw ``uint32[2]`` one (``jax.random.PRNGKey``)."""

@@ -23,6 +23,9 @@ from optax_kahan._src.blockwise.model import Consts
 def _split_module(module: nnx.Module, what: str
                   ) -> tuple[Callable[..., Any], Any]:
   """``(fn, params)`` with ``fn(params, *args) = merge(module)(*args)``."""
+  if not isinstance(module, nnx.Module):
+    raise TypeError(f"nnx_blockwise: {what} must be an nnx.Module, got "
+                    f"{type(module).__name__}")
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
   if jax.tree.leaves(rest):
     raise ValueError(
@@ -98,6 +101,10 @@ def linen_apply(module: nn.Module,
     ``fn(params, *args)``. A module that needs collections other than
     ``params`` (batch statistics) fails in ``apply``, naming them.
   """
+
+  if not isinstance(module, nn.Module):
+    raise TypeError(f"linen_apply: module must be a flax.linen Module, got "
+                    f"{type(module).__name__}")
 
   def fn(params: Any, *args: Any) -> Any:
     return module.apply({"params": params}, *args, method=method)

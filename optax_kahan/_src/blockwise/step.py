@@ -100,6 +100,7 @@ def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
       ``BlockwiseParams``, a stack without one leading axis, or an array an
       earlier jitted call took (donated), naming the leaf.
   """
+  validation.check_transformation("blockwise_init", "tx", tx)
   check_stacks(params)
   check_not_doubled((params, args), "blockwise_init",
                      "initialize before stream_blocks, or pass "
@@ -337,6 +338,7 @@ def blockwise_step(
     sd-scripts ``--fused_backward_pass``; Lv et al., 2023 (LOMO).
   """
   check_params(model, params)
+  validation.check_transformation("blockwise_step", "tx", tx)
   if not isinstance(state, BlockwiseState):
     raise TypeError(f"state must be a BlockwiseState (from blockwise_init), "
                     f"got {type(state).__name__}")

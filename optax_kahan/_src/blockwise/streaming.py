@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 from optax_kahan._src import placement
+from optax_kahan._src import validation
 from optax_kahan._src.blockwise.model import BlockwiseModel
 from optax_kahan._src.blockwise.model import BlockwiseParams
 from optax_kahan._src.blockwise.model import BlockwiseState
@@ -97,6 +98,11 @@ def with_front_buffers(layout: Any, values: Any) -> Any:
       return DoubleBuffer(value, x.b, True)
     return DoubleBuffer(x.a, value, False)
 
+  where = validation.tree_mismatch(front_buffers(layout), values,
+                                   names=("layout", "values"))
+  if where:
+    raise ValueError(f"with_front_buffers: values must be laid out as "
+                     f"front_buffers(layout); {where}")
   return jax.tree_util.tree_map_with_path(put, layout, values,
                                           is_leaf=_is_double)
 
@@ -210,6 +216,9 @@ def stream_blocks(
     ValueError: for a count per stack that does not fit.
   """
   check_params(model, params)
+  if not isinstance(state, BlockwiseState):
+    raise TypeError(f"stream_blocks: state must be the BlockwiseState "
+                    f"blockwise_init made, got {type(state).__name__}")
   check_not_doubled((params, state), "stream_blocks",
                      "join the stacks first (join_stacks)")
   counts = [num_blocks(stack) for stack in params.stacks]
