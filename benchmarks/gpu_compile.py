@@ -305,7 +305,9 @@ def configurations(quick: bool = False) -> dict[str, Callable]:
   """Each optimizer plain, in kahan and in kahan on device.
 
   ``quick``: only the optax.adamw (and with a decay mask), clip-chain (both
-  ways) and prodigy_factored() families.
+  ways) and prodigy_factored() families, and of optax's own optimizers only
+  their ``kahan`` forms (what the check is about; optax's plain program is
+  not this package's).
   """
   out = {}
   for name, make in optimizers().items():
@@ -314,7 +316,8 @@ def configurations(quick: bool = False) -> dict[str, Callable]:
         "chain(clip_by_global_norm, optax.adamw)",
         "optax.chain(optax.clip_by_global_norm, optax.adamw)"):
       continue
-    out[name] = make
+    if not (quick and name.startswith("optax.")):
+      out[name] = make
     out[f"kahan({name})"] = lambda make=make: ok.kahan(make())
     out[f"kahan({name}), offload=False"] = (
         lambda make=make: ok.kahan(make(), offload=False))
