@@ -12,9 +12,9 @@ float32 trajectory bit for bit. This script shows it in a few minutes on a CPU::
     python examples/finetune_diffusion.py
 
 (``pip install -e ".[examples]"`` first; run from the repository root.
-Outputs go to ``outputs/finetune_diffusion``.) On 2 idle CPU cores the first
-run takes about 2.3 minutes (40% of it pretraining, then cached) and a second
-run about 1.3 minutes; ``--optimizer adafactor|prodigy|prodigy_factored`` swaps
+Outputs go to ``outputs/finetune_diffusion``.) On 2 idle CPU cores a first
+run took 103 s (2026-12-02, the README's figure), its pretraining included,
+which later runs read from a cache; ``--optimizer adafactor|prodigy|prodigy_factored`` swaps
 the polish optimizer. ``--blockwise`` runs the polish through
 ``optax_kahan.blockwise.blockwise_step``: the UNet as an encoder, a stack of one middle
 block and a decoder, each part updated inside the backward pass (Prodigy with
