@@ -12,6 +12,12 @@ from typing import Any, Sequence
 import pytest
 
 
+def quick_only(values: Sequence[Any], quick: Sequence[Any]) -> list[Any]:
+  """``values`` as ``pytest.param``s, those not in ``quick`` marked slow."""
+  return [pytest.param(v, marks=() if v in quick else pytest.mark.slow)
+          for v in values]
+
+
 def sampled(values: Sequence[Any], offset: int, every: int = 3,
             ids: Sequence[str] | None = None) -> list[Any]:
   """``values`` as ``pytest.param``s, all but every ``every``-th (from

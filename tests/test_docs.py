@@ -23,7 +23,6 @@ import doctest
 import html
 import html.parser
 import json
-import logging
 import pathlib
 import re
 import shutil
@@ -36,6 +35,7 @@ import optax
 import pytest
 
 import optax_kahan as ok
+from _compiles import counting_compiles
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -56,33 +56,11 @@ def _blocks() -> list:
   return params
 
 
-class _Compiles(logging.Handler):
-  """Collects the names of the functions ``jax.log_compiles`` says it compiles."""
-
-  def __init__(self):
-    super().__init__(logging.DEBUG)
-    self.names: list[str] = []
-
-  def emit(self, record: logging.LogRecord) -> None:
-    m = re.match(r"Compiling jit\((\w+)\)", record.getMessage())
-    if m:
-      self.names.append(m.group(1))
-
-
 def _run_counting_compiles(source: str) -> list[str]:
   """Runs ``source`` in a namespace of its own; the names jax compiled."""
-  handler = _Compiles()
-  logger = logging.getLogger("jax")
-  old_level = logger.level
-  logger.addHandler(handler)
-  logger.setLevel(logging.DEBUG)
-  try:
-    with jax.log_compiles():
-      exec(compile(source, "<block>", "exec"), {"__name__": "__main__"})
-  finally:
-    logger.removeHandler(handler)
-    logger.setLevel(old_level)
-  return handler.names
+  with counting_compiles() as names:
+    exec(compile(source, "<block>", "exec"), {"__name__": "__main__"})
+  return names
 
 
 @pytest.mark.parametrize("source", _blocks())

@@ -5,8 +5,6 @@
 count the compilations from ``jax.log_compiles``' messages.
 """
 
-import logging
-import re
 import warnings
 
 import jax
@@ -17,20 +15,9 @@ import pytest
 from flax import nnx
 
 import optax_kahan as ok
+from _compiles import counting_compiles
 
 X = jnp.ones((8, 4), jnp.bfloat16)
-
-
-class _Compiles(logging.Handler):
-
-  def __init__(self):
-    super().__init__(logging.DEBUG)
-    self.names = []
-
-  def emit(self, record):
-    m = re.match(r"Compiling jit\((\w+)\)", record.getMessage())
-    if m:
-      self.names.append(m.group(1))
 
 
 def _compiles_of_three_steps(model, optimizer):
@@ -44,19 +31,11 @@ def _compiles_of_three_steps(model, optimizer):
     return loss
 
   before = np.asarray(model.kernel[...], np.float32)
-  handler, logger = _Compiles(), logging.getLogger("jax")
-  old_level = logger.level
-  logger.addHandler(handler)
-  logger.setLevel(logging.DEBUG)
-  try:
-    with jax.log_compiles():
-      for _ in range(3):
-        train_step(model, optimizer)
-  finally:
-    logger.removeHandler(handler)
-    logger.setLevel(old_level)
+  with counting_compiles() as names:
+    for _ in range(3):
+      train_step(model, optimizer)
   assert not np.array_equal(before, np.asarray(model.kernel[...], np.float32))
-  return handler.names.count("train_step")
+  return names.count("train_step")
 
 
 def _model(committed):

@@ -33,6 +33,8 @@ import pytest
 import optax_kahan as ok
 from benchmarks import corpus
 
+from _matrix import quick_only
+
 ULPS = 4
 
 
@@ -40,11 +42,6 @@ QUICK = ["adamw(mask by path)", "add_decayed_weights(mask) + sgd",
          "multi_transform(label fn)", "masked(adam, callable)", "noisy_sgd",
          "clip_by_global_norm + adamw", "apply_if_finite(adam)",
          "inject_hyperparams(adamw)", "ok.prodigy_factored", "adafactor"]
-
-
-def _cases(names_quick):
-  return [pytest.param(n, marks=() if n in names_quick else pytest.mark.slow)
-          for n in corpus.PROGRAMS]
 
 
 def _assert_close(got, want, what, old=None):
@@ -115,7 +112,7 @@ def test_kahan_gives_optaxs_answer(name, offload):
   assert not whole_tree or name in WHOLE_TREE, whole_tree[0].message
 
 
-@pytest.mark.parametrize("name", _cases(QUICK))
+@pytest.mark.parametrize("name", quick_only(list(corpus.PROGRAMS), QUICK))
 def test_leafwise_gives_optaxs_answer_or_refuses(name):
   tx = ok.leafwise(corpus.PROGRAMS[name]())
   step = jax.jit(tx.update)

@@ -24,10 +24,12 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
-from typing import Any, Callable, NamedTuple
+import warnings
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -278,6 +280,17 @@ class KahanState(NamedTuple):
 
 #: The start of the warning ``kahan``'s init gives for an ``nnx.State``.
 NNX_STEP_WARNING = "kahan: the params are an nnx.State"
+
+
+@contextlib.contextmanager
+def no_step_counter() -> Iterator[None]:
+  """Silences the ``nnx.State`` warning of ``kahan``'s init, for callers
+  whose params no uncommitted step counter comes with (``blockwise_init``)
+  or that commit it themselves (``kahan_nnx_optimizer``)."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=NNX_STEP_WARNING,
+                            category=validation.OptaxKahanWarning)
+    yield
 
 
 def _warn_if_nnx_optimizer(params: Any, state: Any) -> None:

@@ -12,7 +12,6 @@ References:
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
@@ -21,7 +20,7 @@ import optax
 from flax import nnx
 
 from optax_kahan._src import validation
-from optax_kahan._src.kahan import NNX_STEP_WARNING
+from optax_kahan._src.kahan import no_step_counter
 from optax_kahan._src.placement import commit_with
 
 
@@ -64,10 +63,7 @@ def kahan_nnx_optimizer(model: nnx.Module, tx: optax.GradientTransformation,
              if isinstance(x, jax.Array) and x.committed]
             or jax.device_put(jnp.zeros(()), jax.devices()[0]))
   nnx.update(model, commit_with(state, anchor, "kahan_nnx_optimizer"))
-  with warnings.catch_warnings():
-    # This function commits the counter, which the warning asks for.
-    warnings.filterwarnings("ignore", message=NNX_STEP_WARNING,
-                            category=validation.OptaxKahanWarning)
+  with no_step_counter():  # committed below, as the warning asks
     optimizer = nnx.Optimizer(model, tx, wrt=wrt)
   optimizer.step.set_value(commit_with(
       optimizer.step.get_value(), nnx.state(model, wrt),

@@ -43,7 +43,6 @@ References:
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 import jax
@@ -73,7 +72,7 @@ from optax_kahan._src.blockwise.streaming import check_not_doubled
 from optax_kahan._src.blockwise.streaming import flip
 from optax_kahan._src.double_buffer import front_buffers
 from optax_kahan._src.double_buffer import is_double
-from optax_kahan._src.kahan import NNX_STEP_WARNING
+from optax_kahan._src.kahan import no_step_counter
 
 
 def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
@@ -109,10 +108,7 @@ def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
     if not isinstance(tree, BlockwiseParams):
       raise TypeError(f"blockwise_init's argument {i + 2} must be a "
                       f"BlockwiseParams, got {type(tree).__name__}")
-  with warnings.catch_warnings():
-    # nnx_blockwise's params are nnx.State, but no nnx.Optimizer holds them.
-    warnings.filterwarnings("ignore", message=NNX_STEP_WARNING,
-                            category=validation.OptaxKahanWarning)
+  with no_step_counter():  # nnx_blockwise's params: no nnx.Optimizer's
     state = BlockwiseState(
         embed=tx.init(params.embed, *(a.embed for a in args)),
         stacks=tuple(jax.vmap(tx.init)(stack, *(a.stacks[s] for a in args))
