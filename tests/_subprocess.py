@@ -23,8 +23,13 @@ def env_for(devices: int) -> dict[str, str]:
   env = dict(os.environ)
   flags = [f for f in env.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
+  # XLA:CPU ends a process whose devices wait over 40 s at a collective; on a
+  # loaded 2-core machine 8 fake devices' threads can lag that much, so the
+  # limit is the test's own timeout instead.
   env["XLA_FLAGS"] = " ".join(
-      flags + [f"--xla_force_host_platform_device_count={devices}"])
+      flags + [f"--xla_force_host_platform_device_count={devices}",
+               "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120",
+               "--xla_cpu_collective_call_terminate_timeout_seconds=900"])
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(
       [str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
