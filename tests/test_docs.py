@@ -300,6 +300,7 @@ DERIVED = {
     "34.4 GB": 32 * GIB,  # a 32 GiB card
     "28.16 GB": 23.80 + 4.36,  # the bf16 weights plus the inner state
     "13.6 ms": 680e6 / 50e9 * 1e3,  # a double-stream block over 50 GB/s
+    "5.7 ms": 4e12 / 700e12 * 1e3,  # a block's 4 TFLOP at 700 TFLOP/s
     # a card's margin: its GiB, less 0.5 GB of CUDA context, less the peak
     "2.13 GB": 32 * GIB - 0.5 - 31.73,
     "17.65 GB": 48 * GIB - 0.5 - 33.39,
