@@ -28,7 +28,8 @@ compiled program:
   bandwidth, plus the host copies' bytes over the PCIe bandwidth (constants
   below). ``cost_analysis()`` needs a device, so the bytes are summed from
   the compiled program (operands and outputs of each fusion, library call
-  and copy); matmul FLOPs are not counted and no overlap is assumed: a
+  and copy; a buffer a kernel receives twice, before and after an
+  optimization barrier, read once); matmul FLOPs are not counted and no overlap is assumed: a
   rough figure for the memory-bound optimizer step only.
 
 Steps: the optimizer step alone (``tx.update`` + ``optax.apply_updates``,
@@ -237,17 +238,34 @@ def type_bytes(typ: str) -> int:
              if a.split("[")[0] in _BYTES)
 
 
+def _buffers(entry) -> dict[str, str]:
+  """The value each tuple element read back stands for: a get-tuple-element
+  of a ``tuple`` (a compiled optimization barrier is one) is the operand
+  the tuple holds, the same buffer."""
+  tuples = {n: operands for n, _, op, operands, _ in entry if op == "tuple"}
+  same = {}
+  for n, _, op, operands, index in entry:
+    if op == "get-tuple-element" and operands[0] in tuples:
+      held = tuples[operands[0]][int(index)]
+      same[n] = same.get(held, held)
+  return same
+
+
 def bytes_accessed(hlo: str) -> int:
   """HBM traffic of the entry's kernels: each reads its operands, writes
   its outputs (``compiled.cost_analysis()`` is not available without a
-  device). Host copies are counted separately."""
+  device). A buffer a kernel receives twice (before and after an
+  optimization barrier) is read once: the same elements at the same time,
+  the second load from cache. Host copies are counted separately."""
   entry = hlo_entry(hlo)
   types = {n: typ for n, typ, *_ in entry}
+  same = _buffers(entry)
   total = 0
   for _, typ, op, operands, _ in entry:
     if op in ("fusion", "custom-call", "copy"):
+      reads = {same.get(o, o) for o in operands}
       total += type_bytes(typ) + sum(type_bytes(types.get(o, ""))
-                                      for o in operands)
+                                      for o in reads)
   return total
 
 

@@ -55,6 +55,7 @@ if __name__ == "__main__":  # before jax is imported: no CUDA driver is touched
 import argparse
 import dataclasses
 import datetime
+import math
 import time
 from typing import Any, Optional
 
@@ -70,6 +71,8 @@ from benchmarks import report
 from benchmarks import timeline
 
 CONTEXT = 0.5e9  # CUDA context and cuDNN/cuBLAS workspaces, about
+MARGIN = 0.5e9  # left free on a card beside the peak and the context
+CARDS = (12, 16, 24, 32, 48, 80)  # GiB
 OPTIMIZER = "kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))"
 
 
@@ -120,24 +123,129 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
 
 
 def fewest_streamed(cfg, target: str, limit: float, spare: bool = True,
-                    offload: bool = True) -> tuple[int, int, dict]:
-  """The fewest streamed blocks (single-stream ones first) whose batch-1
-  step's compiled peak is at most ``limit`` bytes, by bisection over the
-  count (the peak falls as the count grows). ``offload=False``: the blocks
-  not streamed keep their residuals on the device."""
+                    offload: bool = True, batch: int = 1, lo: int = 0,
+                    found: Optional[dict[int, dict]] = None
+                    ) -> tuple[int, int, dict]:
+  """The fewest streamed blocks (single-stream ones first) whose step's
+  compiled peak is at most ``limit`` bytes, searched over the count from
+  ``lo`` (the peak falls as the count grows): each guess interpolates the
+  peak linearly between the nearest counts compiled on either side, and a
+  count that fits is confirmed by the one below it. ``offload=False``: the
+  blocks not streamed keep their residuals on the device. ``found``: rows
+  compiled before, by count (filled in). With every block streamed and
+  still over the limit, returns that row."""
   counts = (cfg.double_blocks, cfg.single_blocks)
   streamed = lambda k: (max(0, k - counts[1]), min(k, counts[1]))
-  lo, hi, found = 0, sum(counts), {}
-  while lo < hi:
-    k = (lo + hi) // 2
-    found[k] = compile_row(cfg, target, 1, offload, streamed(k), spare)
-    if found[k]["peak_bytes"] <= limit:
+  found = {} if found is None else found
+
+  def row(k: int) -> dict:
+    if k not in found:
+      found[k] = compile_row(cfg, target, batch, offload, streamed(k), spare)
+    return found[k]
+
+  hi = sum(counts)
+  peak = lambda k: row(k)["peak_bytes"]
+  if peak(hi) > limit:
+    return (*streamed(hi), row(hi))
+  for k in found:  # what earlier searches compiled narrows this one
+    if lo <= k < hi:
+      if found[k]["peak_bytes"] <= limit:
+        hi = k
+      else:
+        lo = max(lo, k + 1)
+  k = None
+  while lo < hi:  # counts below lo do not fit; hi fits
+    if k == hi:  # the last guess fits: does one block fewer?
+      k = hi - 1
+    else:
+      below = max([c for c in found if c < lo] or [lo])
+      k = below + math.ceil((peak(below) - limit) * (hi - below)
+                            / max(1.0, peak(below) - peak(hi)))
+      k = min(max(k, lo), hi - 1)
+    if peak(k) <= limit:
       hi = k
     else:
       lo = k + 1
-  if lo not in found:
-    found[lo] = compile_row(cfg, target, 1, offload, streamed(lo), spare)
-  return (*streamed(lo), found[lo])
+  return (*streamed(lo), row(lo))
+
+
+def card_rows(cfg, target: str, batches=(1, 2, 4),
+              cards=CARDS) -> dict[str, dict]:
+  """For each card (GiB), the setup and batch with the lowest modeled time
+  per sample whose peak leaves ``MARGIN`` after the CUDA context: residuals
+  on the device, residuals alone in host memory, or the fewest streamed
+  blocks that fit, at each batch."""
+  candidates = []
+  for batch in batches:
+    candidates += [
+        ("residuals on the device (`offload=False`)",
+         compile_row(cfg, target, batch, False, None)),
+        ("residuals in host memory, spare buffers (`(0, 0)`)",
+         compile_row(cfg, target, batch, True, (0, 0)))]
+    plain, found, lo = candidates[-2:], {0: candidates[-1][1]}, 0
+    for gib in sorted(cards, reverse=True):  # fewer blocks for larger cards
+      if any(fits(r, gib) for _, r in plain):
+        continue
+      d, s, row = fewest_streamed(cfg, target, limit(gib), batch=batch,
+                                  lo=lo, found=found)
+      lo = d + s
+      candidates.append((f"`({d}, {s})` blocks streamed", row))
+  best = {}
+  for gib in cards:
+    fitting = [(r["step_s"] / r["batch"], name, r) for name, r in candidates
+               if fits(r, gib)]
+    if fitting:
+      _, name, r = min(fitting, key=lambda x: x[0])
+      best[f"{gib} GiB"] = {**r, "setup": name, "card_gib": gib}
+  ref = next(r for n, r in candidates if r["batch"] == 1 and not r["offload"])
+  for row in best.values():
+    row["ratio"] = (row["step_s"] / row["batch"]) / ref["step_s"]
+    row["floor_s"] = floor_s(row)
+  return best
+
+
+def limit(gib: int) -> float:
+  """The largest peak a card of ``gib`` GiB takes with the margin."""
+  return gib * 2**30 - CONTEXT - MARGIN
+
+
+def fits(row: dict, gib: int) -> bool:
+  return row["peak_bytes"] <= limit(gib)
+
+
+def floor_s(row: dict) -> float:
+  """The step's physical floor: its matrix multiplies at the modeled rate,
+  or its bytes over PCIe in either direction, whichever takes longest."""
+  return max(row["gemm_s"], row["h2d_bytes"] / timeline.PCIE,
+             row["d2h_bytes"] / timeline.PCIE)
+
+
+def cards_markdown(r: dict) -> str:
+  lines = [
+      f"Compiled for {r['target_name']}, not run ({r['date']}, jax "
+      f"{r['jax']}): {r['model']}, `{OPTIMIZER}`, blockwise step. For each "
+      "card, the setup and batch with the lowest modeled time per sample "
+      f"whose device peak leaves {MARGIN / 1e9:.1f} GB after "
+      f"{CONTEXT / 1e9:.1f} GB of CUDA context (batches {r['batches']}). "
+      "Modeled: `benchmarks.timeline` on the compiled schedule (gemms at "
+      f"{timeline.GEMM_FLOPS / 1e12:.0f} TFLOP/s, PCIe "
+      f"{timeline.PCIE / 1e9:.0f} GB/s per direction, other kernels free; an "
+      "estimate); per sample: the step over the batch; ratio: to the "
+      "residuals-on-device step at batch 1, per sample; floor: the longest "
+      "of the matrix multiplies and each PCIe direction's bytes.", "",
+      "| card | setup | batch | device peak GB | margin GB | host GB | "
+      "modeled ms per sample | ratio | floor ms per sample | modeled / floor |",
+      "|---|---|---|---|---|---|---|---|---|---|"]
+  for card, v in r["rows"].items():
+    margin = v["card_gib"] * 2**30 - CONTEXT - v["peak_bytes"]
+    lines.append(
+        f"| {card} | {v['setup']} | {v['batch']} | "
+        f"{v['peak_bytes'] / 1e9:.2f} | {margin / 1e9:.2f} | "
+        f"{v['host_bytes'] / 1e9:.1f} | "
+        f"{v['step_s'] / v['batch'] * 1e3:.0f} | {v['ratio']:.2f}x | "
+        f"{v['floor_s'] / v['batch'] * 1e3:.0f} | "
+        f"{v['step_s'] / v['floor_s']:.2f}x |")
+  return "\n".join(lines) + "\n"
 
 
 def rows_for(cfg, target: str, quick: bool, spare: bool = True
@@ -214,6 +322,10 @@ def main(argv=None) -> dict:
   parser.add_argument("--fit", type=float, metavar="GB",
                       help="only the fewest streamed blocks whose peak is at "
                       "most GB (1e9 bytes), to results/streaming_fit<GB>")
+  parser.add_argument("--cards", action="store_true",
+                      help="for each card, the setup and batch (1, 2, 4) "
+                      "with the lowest modeled time per sample, to "
+                      "results/streaming_cards")
   parser.add_argument("--device-residuals", action="store_true",
                       help="with --fit: kahan(..., offload=False), the "
                       "blocks not streamed keep their residuals on the "
@@ -224,7 +336,10 @@ def main(argv=None) -> dict:
     cfg = dataclasses.replace(cfg, hidden=256, heads=2, double_blocks=2,
                               single_blocks=4, context_dim=256, vec_dim=64)
   cfg = dataclasses.replace(cfg, heads_per_chunk=2)
-  if args.fit:
+  batches = (1, 2) if args.quick else (1, 2, 4)
+  if args.cards:
+    rows = card_rows(cfg, args.target, batches)
+  elif args.fit:
     d, s, row = fewest_streamed(cfg, args.target, args.fit * 1e9,
                                 not args.one_buffer,
                                 not args.device_residuals)
@@ -248,8 +363,11 @@ def main(argv=None) -> dict:
        "rows": rows}
   r["xla_flags"] = os.environ.get("XLA_FLAGS", "")
   r["compiler_options"] = ok.blockwise.STREAMING_COMPILER_OPTIONS
-  name = f"streaming_fit{args.fit:g}" if args.fit else "streaming"
-  report.save(name + (f"_{args.tag}" if args.tag else ""), to_markdown(r), r,
+  name = ("streaming_cards" if args.cards else
+          f"streaming_fit{args.fit:g}" if args.fit else "streaming")
+  r["batches"] = list(batches) if args.cards else None
+  report.save(name + (f"_{args.tag}" if args.tag else ""),
+              cards_markdown(r) if args.cards else to_markdown(r), r,
               args.quick)
   return r
 

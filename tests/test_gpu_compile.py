@@ -101,6 +101,22 @@ ENTRY %main (p: u16[8], q: u16[8]) -> u16[8] {
   assert r["overlap"] == 1.0  # the second starts before the first's reader
 
 
+def test_bytes_accessed_reads_a_buffer_passed_twice_once():
+  # the ordered rows hand a kernel a param before and after a barrier (a
+  # tuple read back): one 16-byte buffer read, not two
+  hlo = """
+ENTRY %main (p: bf16[8], g: bf16[8]) -> bf16[8] {
+  %p = bf16[8]{0} parameter(0)
+  %g = bf16[8]{0} parameter(1)
+  %b = (bf16[8]{0}, bf16[8]{0}) tuple(%p, %g)
+  %bp = bf16[8]{0} get-tuple-element(%b), index=0
+  %bg = bf16[8]{0} get-tuple-element(%b), index=1
+  ROOT %f = bf16[8]{0} fusion(%p, %bp, %bg), kind=kLoop
+}
+"""
+  assert gpu_compile.bytes_accessed(hlo) == 16 + 16 + 16  # p, g, the output
+
+
 def test_schedule_report_sees_both_copy_directions_at_once():
   hlo = """
 ENTRY %main (p: u16[8], q: u16[8]) -> u16[8] {
@@ -170,3 +186,38 @@ def test_host_compute_spike_reads_the_host_call(tmp_path):
     assert row["compiles"] and row["host_calls"] == 1, (name, row)
   # with its hyperparameters in host memory, the host reads no device memory
   assert rows["an array in host memory"]["device_operands"] == 0
+
+
+def test_card_search_picks_the_fastest_sample_that_fits(monkeypatch):
+  # A stand-in for the compiled step of 8 + 8 blocks (GB, s): peak
+  # 30 - k + 4 * batch (+ 2 with residuals on the device) with k blocks
+  # streamed; step 0.1 * batch of compute, plus 0.04 s per streamed block
+  # less what the compute of a larger batch hides, plus 0.02 with host
+  # residuals.
+  from benchmarks import streaming
+  cfg = type("Cfg", (), {"double_blocks": 8, "single_blocks": 8})()
+  compiled = []
+
+  def compile_row(cfg, target, batch, offload, streamed, spare=True):
+    compiled.append((batch, offload, streamed))
+    k = 0 if streamed is None else sum(streamed)
+    gemm = 0.1 * batch
+    copies = max(0.0, 0.04 * k - 0.1 * (batch - 1)) + 0.02 * offload
+    return {"batch": batch, "offload": offload, "streamed": streamed,
+            "peak_bytes": (30 - k + 4 * batch + 2 * (not offload)) * 1e9,
+            "host_bytes": 0, "step_s": gemm + copies, "gemm_s": gemm,
+            "h2d_bytes": k * 1e9, "d2h_bytes": 0}
+
+  monkeypatch.setattr(streaming, "compile_row", compile_row)
+  rows = streaming.card_rows(cfg, "h200", (1, 2), cards=(24, 48))
+  assert len(compiled) == len(set(compiled))  # each layout compiled once
+  # 48 GiB: the device holds it all; batch 1 and 2 tie at 0.1 s a sample
+  assert rows["48 GiB"]["setup"].startswith("residuals on the device")
+  assert rows["48 GiB"]["batch"] == 1 and rows["48 GiB"]["ratio"] == 1.0
+  # 24 GiB leaves 24.77 GB: batch 1 needs 10 blocks streamed (0.52 s a
+  # sample), batch 2 needs 14 (0.34 s a sample): batch 2 wins
+  assert (rows["24 GiB"]["batch"], rows["24 GiB"]["streamed"]) == (2, (6, 8))
+  assert rows["24 GiB"]["step_s"] == pytest.approx(0.68)
+  assert rows["24 GiB"]["ratio"] == pytest.approx(3.4)
+  assert rows["24 GiB"]["floor_s"] == pytest.approx(
+      14e9 / streaming.timeline.PCIE)

@@ -7,6 +7,7 @@ about the code as written). The public modules (``optax_kahan``,
 """
 
 import ast
+import re
 import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "optax_kahan" / "_src"
@@ -79,3 +80,62 @@ def test_no_context_variable_channel():
   for name, path in MODULES.items():
     _, other = _imports(path)
     assert "contextvars" not in other, name
+
+
+def _code_lines(fn: ast.AST, lines: list[str]) -> int:
+  """Lines of code of a function: its body without the docstring, blank
+  lines and comment lines."""
+  body = fn.body
+  if (body and isinstance(body[0], ast.Expr)
+      and isinstance(body[0].value, ast.Constant)
+      and isinstance(body[0].value.value, str)):
+    body = body[1:]
+  if not body:
+    return 0
+  span = lines[body[0].lineno - 1:fn.end_lineno]
+  return sum(1 for line in span
+             if line.strip() and not line.strip().startswith("#"))
+
+
+def test_no_function_over_60_lines_of_code():
+  long = []
+  for path in sorted(SRC.parent.rglob("*.py")):
+    source = path.read_text()
+    lines = source.splitlines()
+    for node in ast.walk(ast.parse(source)):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        n = _code_lines(node, lines)
+        if n > 60:
+          long.append(f"{path.name}:{node.lineno} {node.name}: {n}")
+  assert not long, long
+
+
+ROOT = SRC.parents[1]
+_PUBLIC_USE = r"\bok\.((?:blockwise\.|per_leaf\.)?)([A-Za-z_]\w*)"
+
+
+def _user_code() -> dict[str, str]:
+  """The examples, and the Python blocks of the README and the docs."""
+  out = {str(p.relative_to(ROOT)): p.read_text()
+         for p in sorted((ROOT / "examples").glob("*.py"))}
+  for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+    if "_build" in page.parts:
+      continue
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    out[str(page.relative_to(ROOT))] = "\n".join(blocks)
+  return out
+
+
+def test_readme_docs_and_examples_use_only_public_names():
+  import optax_kahan as ok
+  spaces = {"": ok, "blockwise.": ok.blockwise, "per_leaf.": ok.per_leaf}
+  private = []
+  for where, code in _user_code().items():
+    if "_src" in code:
+      private.append(f"{where}: imports optax_kahan._src")
+    for space, name in re.findall(_PUBLIC_USE, code):
+      if name in ("blockwise", "per_leaf") and not space:
+        continue
+      if name not in spaces[space].__all__:
+        private.append(f"{where}: ok.{space}{name}")
+  assert not private, private
