@@ -41,8 +41,12 @@ the options (for CI).
 ``--fit 32``), to ``results/streaming_fit<GB>``. ``--one-buffer``: the
 streamed rows with ``stream_blocks(..., spare_buffers=False)``.
 ``--device-residuals``: with ``--fit``, ``kahan(..., offload=False)``: the
-blocks not streamed keep their residuals on the device. Writes
-``benchmarks/results/streaming{,_quick}.{md,json}``.
+blocks not streamed keep their residuals on the device. ``--cards``: for
+each card (12 to 80 GiB), the setup and batch (1, 2, 4) with the lowest
+modeled time per sample that leaves 0.5 GB beside the peak and the CUDA
+context, with the step's floor (its matrix multiplies, or its PCIe bytes in
+either direction, whichever is longer), to ``results/streaming_cards``.
+Writes ``benchmarks/results/streaming{,_quick}.{md,json}``.
 """
 
 from __future__ import annotations
@@ -128,7 +132,9 @@ def fewest_streamed(cfg, target: str, limit: float, spare: bool = True,
                     ) -> tuple[int, int, dict]:
   """The fewest streamed blocks (single-stream ones first) whose step's
   compiled peak is at most ``limit`` bytes, searched over the count from
-  ``lo`` (the peak falls as the count grows): each guess interpolates the
+  ``lo``, the peak taken to fall as the count grows (it does past the first
+  block: streaming one block adds its spare buffers, 33.36 to 33.91 GB at
+  batch 1, a rise the search steps over): each guess interpolates the
   peak linearly between the nearest counts compiled on either side, and a
   count that fits is confirmed by the one below it. ``offload=False``: the
   blocks not streamed keep their residuals on the device. ``found``: rows

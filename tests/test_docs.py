@@ -97,7 +97,7 @@ def test_readme_is_short_and_answers_the_card_question():
   text = (ROOT / "README.md").read_text()
   assert len(text.splitlines()) <= 200
   assert "Which setup for my card" in text
-  for card in ("12 GB, 16 GB", "24 GB", "32 GB", "48 GB", "80 GB"):
+  for card in ("12 GB", "16 GB", "24 GB", "32 GB", "48 GB", "80 GB"):
     assert f"| {card} |" in text
 
 
