@@ -192,7 +192,7 @@ def card_rows(cfg, target: str, batches=(1, 2, 4),
     for gib in sorted(cards, reverse=True):  # fewer blocks for larger cards
       if any(fits(r, gib) for _, r in plain):
         continue
-      d, s, row = fewest_streamed(cfg, target, limit(gib), batch=batch,
+      d, s, row = fewest_streamed(cfg, target, usable_bytes(gib), batch=batch,
                                   lo=lo, found=found)
       lo = d + s
       candidates.append((f"`({d}, {s})` blocks streamed", row))
@@ -210,13 +210,13 @@ def card_rows(cfg, target: str, batches=(1, 2, 4),
   return best
 
 
-def limit(gib: int) -> float:
+def usable_bytes(gib: int) -> float:
   """The largest peak a card of ``gib`` GiB takes with the margin."""
   return gib * 2**30 - CONTEXT - MARGIN
 
 
 def fits(row: dict, gib: int) -> bool:
-  return row["peak_bytes"] <= limit(gib)
+  return row["peak_bytes"] <= usable_bytes(gib)
 
 
 def floor_s(row: dict) -> float:
