@@ -1,9 +1,4 @@
-"""optax_kahan: bfloat16 weights with float32-exact updates, for optax.
-
-Namespaces: ``optax_kahan.blockwise`` (the blockwise step, streaming, stacked
-blocks) and ``optax_kahan.per_leaf`` (the per-leaf contract, for authors of
-transformations).
-"""
+"""optax_kahan: bfloat16 weights with float32-exact updates, for optax."""
 
 from optax_kahan._src.alias import prodigy
 from optax_kahan._src.alias import prodigy_factored
@@ -39,7 +34,6 @@ from optax_kahan._src.train_state import kahan_train_state
 from optax_kahan._src.validation import OptaxKahanWarning
 from optax_kahan import blockwise as blockwise
 from optax_kahan import per_leaf as per_leaf
-
 __version__ = "0.1.0"
 
 __all__ = (

@@ -1,13 +1,8 @@
 """Models as blocks: the blockwise step, streaming, and stacked blocks.
 
-``blockwise_step`` updates each block of an embed -> stacked blocks -> head
-model inside the backward pass; ``stream_blocks`` moves some blocks'
-weights, residuals and state through the device from host memory;
-``per_block`` runs a transformation on each block of a stacked (scanned)
-tree as on the unstacked one. ``linen_apply`` and ``nnx_blockwise`` adapt
-Flax models.
-
-See the guide "Fine-tuning FLUX.1-dev" for the whole recipe.
+``blockwise_step`` updates each block inside the backward pass,
+``stream_blocks`` keeps blocks in host memory, ``per_block`` maps a
+transformation over stacked blocks. See docs/guides/flux.md.
 """
 
 from optax_kahan._src.blockwise.step import blockwise_init

@@ -1,13 +1,9 @@
 """The per-leaf contract, for authors of transformations.
 
-A step written as three stages (per-leaf statistic, one small sum, per-leaf
-update) runs leaf by leaf under ``optax_kahan.kahan`` and
-``optax_kahan.leafwise``. Any optax transformation gets its stages cut from
-its own program (``stages_of``); ``transformation`` declares them instead,
-``chain`` keeps declared stages through a chain, and ``clip_by_global_norm``
-and ``apply_if_finite`` are optax's with declared stages.
-
-See the guide "Per-leaf steps" for the contract and an example.
+A step in three stages (per-leaf statistic, one small sum, per-leaf update)
+runs leaf by leaf under ``kahan`` and ``leafwise``. ``stages_of`` cuts them
+from any optax program; ``transformation`` declares them, and ``chain`` keeps
+them through a chain. See docs/guides/per_leaf.md.
 """
 
 from optax_kahan._src.coupled import apply_if_finite

@@ -1,18 +1,4 @@
-"""Named optimizers, each a thin chain of this package's transformations.
-
-| optimizer | state on bf16 params (B/param) |
-|---|---|
-| ``prodigy()`` (m, v, s, x0) | 8 |
-| ``prodigy(b1=0)`` (v, s, x0) | 6 |
-| ``prodigy_factored()`` (rows/cols, s and x0 on 1/11) | about 0.36 |
-| ``stable_adamw()`` (m, v) | 4 |
-
-All of them work inside ``kahan(...)``, where the state is float32 (the inner
-transformation sees float32 params), so the figures double while the bf16
-weights stay exact; the Prodigy aliases' ``state_dtype=jnp.bfloat16`` keeps
-them at the bf16 figures there. Each is a chain that keeps the per-leaf form
-(``optax_kahan.per_leaf``), so ``kahan`` and ``leafwise`` run it leaf by leaf.
-"""
+"""Named optimizers: thin per-leaf chains (sizes: docs/guides/prodigy.md)."""
 
 from typing import Optional
 
@@ -58,15 +44,10 @@ def prodigy(
     x_{k+1} = x_k - d_k\\, \\eta_k\\, \\Big(\\frac{m_k}{\\sqrt{v_k} +
     d_{k+1}\\epsilon} + \\lambda x_k\\Big)
 
-  (``r``, ``s`` and the moments as in ``scale_by_prodigy`` and
-  ``scale_by_second_moment``). ``optax.contrib.prodigy`` always bias-corrects,
-  has no ``growth_rate``, ``slice_p``, ``b1 = 0`` mode or factored moment, and
-  gives NaN on an all-zero gradient step; this one skips such a step, like
-  the reference. The arguments are prodigyopt's, by optax's names for the
-  rest: ``optax.contrib.prodigy(learning_rate, betas=(b1, b2), beta3=b3,
-  eps, estim_lr0=d0, estim_lr_coef=d_coef, weight_decay, safeguard_warmup)``
-  is ``prodigy(learning_rate, b1, b2, b3, eps, weight_decay,
-  safeguard_warmup=..., d0=..., d_coef=..., use_bias_correction=True)``.
+  (``r`` and ``s``: ``scale_by_prodigy``.) An all-zero gradient step is
+  skipped, as in prodigyopt (``optax.contrib.prodigy``: NaN). Its
+  ``betas=(b1, b2)``, ``beta3``, ``estim_lr0``, ``estim_lr_coef`` are ``b1``,
+  ``b2``, ``b3``, ``d0``, ``d_coef``, and it has ``use_bias_correction=True``.
 
   Args:
     learning_rate: multiplier of Prodigy's ``d`` (keep 1.0), float or schedule.
@@ -83,47 +64,31 @@ def prodigy(
     growth_rate: largest per-step growth of ``d`` (inf: unbounded).
     slice_p: estimate ``d`` on every ``slice_p``-th entry of each leaf.
     factored: Adafactor's factored second moment for leaves of >= 2 dims.
-    update_clip: clip each leaf's preconditioned update to this RMS
-      (``optax.clip_by_block_rms``), or None.
+    update_clip: clip each leaf's update to this RMS (``clip_by_block_rms``).
     eps2: added to ``g^2`` in the factored moment.
-    lagged_d: take each step with the ``d`` known when it starts and fold
-      its statistics in at the start of the next one (see
-      ``scale_by_prodigy``): what ``optax_kahan.blockwise`` needs, where the
-      blocks are updated before all gradients exist.
-    state_dtype: dtype of the per-element state (``s``, ``x0`` and the
-      moments), e.g. ``jnp.bfloat16``; None follows the params (inside
-      ``kahan``, float32). The factored row and column statistics stay.
-      (optax's ``mu_dtype`` sets the first moment's alone; this sets every
-      per-element buffer.)
-    bias_corrected_clip: clip the bias-corrected update
-      (``clip_by_bias_corrected_rms``) rather than the raw one, so that the
-      clip tames spikes without shrinking every early step, which slows or
-      stalls d's growth. No effect without ``update_clip``; none, bit for
-      bit, where the plain clip does not act.
+    lagged_d: ``d`` one step late, for ``blockwise`` (``scale_by_prodigy``).
+    state_dtype: dtype of ``s``, ``x0`` and the moments, not of the factored
+      row and column statistics; None follows the params.
+    bias_corrected_clip: clip the bias-corrected update, which leaves early
+      steps alone (``clip_by_bias_corrected_rms``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a per-leaf form.
 
   Raises:
-    ValueError: for d0 <= 0, learning_rate < 0, betas outside [0, 1),
-      slice_p < 1, eps <= 0 and other out-of-range values, naming the argument.
+    ValueError: for an out-of-range value (d0 <= 0, b1 outside [0, 1), ...).
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import optax_kahan as ok
     >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
     >>> grads = {"w": jnp.full((4, 4), 0.1, jnp.bfloat16)}
     >>> tx = ok.kahan(ok.prodigy())  # bf16 params, exact float32 update
-    >>> state = tx.init(params)
-    >>> updates, state = tx.update(grads, state, params)
+    >>> updates, state = tx.update(grads, tx.init(params), params)
     >>> params = optax.apply_updates(params, updates)
     >>> d = ok.prodigy_d(state)  # the current step size estimate
 
   References:
     Mishchenko & Defazio, "Prodigy: An Expeditiously Adaptive Parameter-Free
-    Learner", ICML 2024; prodigyopt 1.1.2 and its PRs #20 (b1 = 0, factored,
-    update clip) and #22 (slice_p).
+    Learner", ICML 2024; prodigyopt 1.1.2, PRs #20 and #22.
   """
   validation.check_beta("b1", b1)
   validation.check_beta("b2", b2)
@@ -160,7 +125,7 @@ def prodigy(
       bias_correction=(b1, b2) if use_bias_correction else None,
       lagged_d=lagged_d,
       state_dtype=state_dtype)
-  # Row by row (leafwise): the step's scratch is a leaf's, bare or in kahan.
+  # Leafwise: the step's scratch is one leaf's, bare or in kahan.
   if decouple:
     return leafwise.leafwise(estimator)
   return leafwise.leafwise(leafwise.chain(
@@ -189,45 +154,21 @@ def prodigy_factored(
 ) -> optax.GradientTransformationExtraArgs:
   """Prodigy at about 0.36 B/param of state: b1 = 0, factored v, slice_p = 11, clip 1.
 
-  ``prodigy(factored=True)`` with the defaults of the prodigyopt PRs #20 and
-  #22 (about 95% less state than ``prodigy()``): ``b1=0`` (no first moment),
-  Adafactor's row/column second moment, ``slice_p=11`` (the d statistics on
-  every 11th entry) and ``update_clip=1`` (each leaf's update clipped to RMS
-  1, Adafactor's clip, which tames the spikes of a factored ``v``), with
-  ``bias_corrected_clip=True``, this package's one departure from the PRs:
-  the clip measures the bias-corrected update. Clipping the raw one (the
-  PRs' rule, ``bias_corrected_clip=False``) shrinks every step of the first
-  few hundred (their moments, grown from zero, make the raw update up to
-  ``1/sqrt(1 - b2) = 31.6`` times larger), which slows d's start and, on
-  bf16 weights stepped without ``kahan``, stalls it at ``d0``:
-  ``python -m benchmarks.prodigy_clip`` measures both. Its arguments are
-  ``prodigy``'s (less ``factored``) with these defaults;
-  ``state_dtype=jnp.bfloat16`` halves the
-  state inside ``kahan`` (about 0.37 B/param instead of 0.73).
-
-  Use it inside ``kahan``: on plain bf16 params the first steps (``d0 =
-  1e-6`` times the learning rate) are below half a bf16 ulp, the weights do
-  not move and ``d`` never leaves ``d0`` (the run stalls without an error).
+  ``prodigy(factored=True)`` with prodigyopt PRs #20/#22's ``b1=0``,
+  ``slice_p=11`` and ``update_clip=1``, but ``bias_corrected_clip=True``: the
+  PRs' raw clip shrinks the early steps up to 31.6-fold, slowing ``d`` (or,
+  on bf16 weights without ``kahan``, stalling it at ``d0``; see
+  docs/guides/prodigy.md). Use it inside ``kahan``: on plain bf16 params the
+  first steps are below half an ulp and ``d`` never leaves ``d0``.
 
   Args:
-    b1: 0 (no first moment).
-    slice_p: 11.
-    update_clip: 1.0.
-    bias_corrected_clip: True.
-    **others: as in ``prodigy``.
+    **others: as in ``prodigy`` (less ``factored``), defaults as above.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a per-leaf form.
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import optax_kahan as ok
-    >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
     >>> tx = ok.kahan(ok.prodigy_factored())
-    >>> state = tx.init(params)
-    >>> updates, state = tx.update(params, state, params)
-    >>> params = optax.apply_updates(params, updates)
 
   References:
     Shazeer & Stern, 2018 (Adafactor); Mishchenko & Defazio, 2024 (Prodigy).
@@ -256,7 +197,7 @@ def stable_adamw(
     x_{t} = x_{t-1} - \\frac{\\eta_t}{\\max(1, \\mathrm{RMS}_t)}
     \\left(\\frac{\\hat m_t}{\\sqrt{\\hat v_t} + \\epsilon} + \\lambda x_{t-1}\\right)
 
-  Defaults are torch-optimi's.
+  Defaults are torch-optimi's; see ``scale_by_stable_adamw``.
 
   Args:
     learning_rate: float or schedule.
@@ -269,7 +210,6 @@ def stable_adamw(
     An ``optax.GradientTransformationExtraArgs`` with a per-leaf form.
 
   Example:
-    >>> import optax_kahan as ok
     >>> tx = ok.kahan(ok.stable_adamw(1e-4))
 
   References:

@@ -1,28 +1,12 @@
 """Update clipping measured on the bias-corrected update.
 
-Adafactor's clip (``optax.clip_by_block_rms``) divides each leaf's update by
-``max(1, RMS(u) / tau)``. After moments grown from zero without bias
-correction (Prodigy's, and ``prodigy_factored``'s ``b1 = 0`` with ``b2 =
-0.999``), a steady gradient's update has RMS about ``(1 - b1^n) / sqrt(1 -
-b2^n)`` at step ``n``: 31.6 at the first. A clip at 1 then acts on every leaf
-for the first hundreds of steps, not only on spikes, and Prodigy's ``d``
-grows that much more slowly (on bf16 weights stepped directly it stalls at
-``d0``; ``benchmarks/prodigy_clip.py``). This clip measures the update
-against that RMS::
-
-    u <- u / max(1, RMS(u) * c_n / tau),   c_n = sqrt(1 - b2^n) / (1 - b1^n)
-
-that is, it clips the bias-corrected update ``c_n u`` to ``tau`` and undoes
-the correction. Where ``optax.clip_by_block_rms(tau)`` does not act, neither
-does this one (``c_n <= 1``): the update is unchanged, bit for bit.
+Prodigy's early, not bias-corrected updates are up to ``1/sqrt(1 - b2)`` times
+a steady gradient's, so a plain clip slows ``d``: see docs/guides/prodigy.md.
 
 References:
   Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory
-  Cost", ICML 2018 (update clipping); Kingma & Ba, "Adam", ICLR 2015 (bias
-  correction).
+  Cost", ICML 2018 (update clipping); Kingma & Ba, "Adam", ICLR 2015.
 """
-
-from __future__ import annotations
 
 from typing import NamedTuple
 
@@ -48,9 +32,9 @@ def clip_by_bias_corrected_rms(threshold: float, b1: float, b2: float
     u_n \\leftarrow \\frac{u_n}{\\max\\big(1,\\ \\mathrm{RMS}(u_n)\\, c_n /
     \\tau\\big)},\\quad c_n = \\frac{\\sqrt{1 - \\beta_2^n}}{1 - \\beta_1^n}
 
-  at the ``n``-th update (module docstring). Chain it after a
-  preconditioner whose moments, with decays ``b1`` and ``b2``, start at zero
-  and are not bias-corrected.
+  at the ``n``-th update: ``c_n u`` clipped to ``tau``; bit for bit unchanged
+  where ``optax.clip_by_block_rms(tau)`` would not act. Chain it after
+  moments (decays ``b1``, ``b2``) that start at zero, not bias-corrected.
 
   Args:
     threshold: ``tau``, the largest bias-corrected RMS of a leaf's update.

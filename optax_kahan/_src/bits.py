@@ -1,46 +1,15 @@
 """Exact split of a float32 into a bfloat16 and a uint16 residual, and back.
 
-A float32 is 32 bits: sign (1), exponent (8), mantissa (23). A bfloat16 has the
-same sign and exponent and the top 7 mantissa bits, i.e. it is exactly the upper
-16 bits of a float32. Keeping the lower 16 bits as a ``uint16`` "residual"
-therefore loses nothing::
+A bfloat16 is the upper 16 bits of a float32; the residual is the lower 16::
 
     bits(x) = hi_bits << 16 | lo        (truncate mode)
 
-Everything here is integer bit arithmetic on ``lax.bitcast_convert_type``
-views, so XLA cannot raise precision or fold a cast pair away.
-
-Two rounding modes decide which bfloat16 the forward pass sees:
-
-``"truncate"``
-  ``hi = bits >> 16`` and ``lo = bits & 0xFFFF``. Exact for every bit pattern
-  (NaN stays NaN). The forward pass sees weights rounded toward zero, biased by
-  up to one bfloat16 ulp.
-
-``"nearest"`` (default)
-  ``hi`` is the magnitude rounded to the nearest bfloat16 with ties away from
-  zero, i.e. ``(|bits| + 0x8000) >> 16``; ``lo`` is still the truncated low 16
-  bits. ``lo >= 0x8000`` says exactly that ``hi`` was rounded up, so the merge
-  rebuilds ``(|hi| << 16 | lo) - 0x10000`` in that case. Ties must go away from
-  zero: with ties-to-even, ``lo == 0x8000`` would not say which way ``hi`` went.
-  This is the final algorithm of sd-scripts PR #2159 (``copy_kahan_``).
-
-  A finite value never becomes Inf: magnitudes that would round past the largest
-  bfloat16 (``0x7F7F0000`` = 3.3895e38) saturate to it. That band,
-  ``|bits| in [0x7F7F8000, 0x7F7FFFFF]`` (|x| in [3.3961776e38, 3.4028235e38],
-  2 * 2**15 = 65,536 bit patterns out of 2**32), is the only one not restored
-  bit for bit: it merges to ``x - sign(x) * 2**120`` (one bfloat16 ulp lower).
-  Every other finite float32, +-0, subnormals and +-Inf are exact; NaN stays NaN
-  (its payload is not kept: ``hi`` is forced to a quiet NaN). A pair no split
-  makes, +-0 beside ``lo >= 0x8000``, merges to a subnormal without the borrow
-  (which would cross the sign bit into a NaN).
+Bit operations only (XLA cannot fold them); see docs/guides/technique.md.
 
 References:
   sd-scripts PR #2159, "Kahan summation for Adafactor-optimized Flux FFT"
   (https://github.com/kohya-ss/sd-scripts/pull/2159).
 """
-
-from __future__ import annotations
 
 import functools
 from typing import Literal
@@ -52,7 +21,6 @@ from jax import lax
 
 Rounding = Literal["nearest", "truncate"]
 ROUNDING_MODES: tuple[str, ...] = ("nearest", "truncate")
-
 _SIGN = 0x80000000
 _MAG = 0x7FFFFFFF
 _INF = 0x7F800000
@@ -64,9 +32,8 @@ _QUIET_BIT = 0x0040
 def check_rounding(rounding: str) -> None:
   """Raises ValueError unless ``rounding`` is a known mode."""
   if rounding not in ROUNDING_MODES:
-    raise ValueError(
-        f"unknown rounding mode {rounding!r}; expected one of {ROUNDING_MODES}"
-    )
+    raise ValueError(f"unknown rounding mode {rounding!r}; expected one of "
+                     f"{ROUNDING_MODES}")
 
 
 def split_float32(
@@ -74,23 +41,22 @@ def split_float32(
 ) -> tuple[jax.Array, jax.Array]:
   """Splits float32 ``x`` into a bfloat16 ``hi`` and a uint16 residual ``lo``.
 
+  ``lo`` is the low 16 bits of ``x``. ``"truncate"``: ``hi = bits >> 16``,
+  exact for every bit pattern. ``"nearest"`` (sd-scripts PR #2159): ``hi`` is
+  ``(|bits| + 0x8000) >> 16``, ties away from zero, so ``lo >= 0x8000`` says
+  exactly that ``hi`` was rounded up. Finite values saturate at the largest
+  bfloat16 (``0x7F7F``, 3.3895e38), never Inf: the band ``|bits|`` in
+  ``[0x7F7F8000, 0x7F7FFFFF]`` (``|x|`` in [3.3961776e38, 3.4028235e38],
+  65,536 patterns) merges to ``x - sign(x) * 2**120``. Every other finite
+  float32, +-0, subnormals and +-Inf come back bit for bit; NaN stays NaN
+  (payload lost). Gradients: ``d hi / d x = 1``, as ``x.astype(jnp.bfloat16)``.
+
   Args:
     x: a float32 array.
-    rounding: ``"nearest"`` (ties away from zero) or ``"truncate"``; see the
-      module docstring for the bit layout of each.
+    rounding: ``"nearest"`` or ``"truncate"``.
 
   Returns:
-    ``(hi, lo)``: ``hi`` is bfloat16 with ``x``'s shape, ``lo`` uint16 holding
-    the low 16 bits of ``x``. ``merge_float32(hi, lo, rounding)`` gives ``x``
-    back bit for bit, except in the saturation band named in the module
-    docstring (nearest mode only).
-
-  Gradients: bit operations have none, so ``hi`` is given the straight-through
-  derivative ``d hi / d x = 1`` (the gradient reaches ``x``, cast back to
-  float32): differentiating a loss of ``split_float32(w32)[0]``, the bf16
-  forward value of float32 master weights, gives the bf16 forward pass's
-  gradient, as ``w32.astype(jnp.bfloat16)`` would. ``lo`` is an integer and
-  carries no gradient.
+    ``(hi, lo)``, bfloat16 and uint16 arrays of ``x``'s shape.
 
   Example:
     >>> hi, lo = split_float32(jnp.float32(1.0 + 2**-20))
@@ -137,6 +103,10 @@ def merge_float32(
 ) -> jax.Array:
   """Rebuilds the float32 that ``split_float32`` split into ``(hi, lo)``.
 
+  A pair no split makes, +-0 beside ``lo >= 0x8000``, merges to a subnormal
+  (no borrow, which would cross the sign bit into a NaN). Gradients: straight
+  through ``hi``, none through ``lo``.
+
   Args:
     hi: a bfloat16 array.
     lo: a uint16 array of the same shape (the residual).
@@ -145,9 +115,6 @@ def merge_float32(
   Returns:
     The float32 array ``hi << 16 | lo`` (truncate), or in nearest mode the same
     on the magnitude minus ``0x10000`` when ``lo >= 0x8000``.
-
-  Gradients: straight through ``hi`` (``d out / d hi = 1``), none through the
-  integer ``lo``.
   """
   check_rounding(rounding)
   hi = jnp.asarray(hi)
@@ -171,10 +138,6 @@ def _merge(hi: jax.Array, lo: jax.Array, rounding: Rounding) -> jax.Array:
   else:
     sign = (hi_bits & jnp.uint32(0x8000)) << 16
     mag = ((hi_bits & jnp.uint32(0x7FFF)) << 16) | lo
-    # lo >= 0x8000 says hi was rounded up, which a split never does to +-0:
-    # an hi of +-0 with such an lo (a pair no split makes, e.g. a stale
-    # residual beside a zeroed weight) merges without the borrow, to a
-    # subnormal, instead of borrowing across the sign bit into a NaN.
     rounded_up = ((lo >= jnp.uint32(_ROUND_HALF)) & (mag < jnp.uint32(_INF))
                   & (hi_bits & jnp.uint32(0x7FFF) != 0))
     mag = jnp.where(rounded_up, mag - jnp.uint32(0x10000), mag)

@@ -1,11 +1,4 @@
-"""Two host buffers for one streamed leaf: the values, and a spare.
-
-``optax_kahan.blockwise``'s streamed layout (``stream_blocks``) holds a
-``DoubleBuffer`` where a leaf is streamed; ``front_buffers`` reads the
-values as plain arrays.
-"""
-
-from __future__ import annotations
+"""Two host buffers for one streamed leaf (``stream_blocks``)."""
 
 from typing import Any
 
@@ -16,17 +9,10 @@ import jax
 class DoubleBuffer:
   """Two host buffers for one stacked leaf: the values, and a spare.
 
-  ``blockwise_step`` reads a block's values from ``front`` and writes its new
-  values into ``back``; the new pair has them the other way round. A fetch
-  and a write-back then never touch the same array, so XLA runs both PCIe
-  directions beside the compute, each block's copies starting as its
-  iteration starts; with one buffer, a leaf's fetch must wait for its
-  write-back. The cost is a second copy in host memory of what is streamed.
-
-  The arrays keep their places in the tree (``a`` is always the first
-  child), so a donated step writes into the spare in place and passes the
-  read buffer through; which one holds the values is static (``front_is_a``),
-  so a jitted step compiles once for each of the two.
+  ``blockwise_step`` reads a block from ``front`` and writes into ``back``, so
+  a fetch never waits for a write-back (cost: a second host copy). ``a`` stays
+  the first child, so a donated step writes the spare in place; ``front_is_a``
+  is static, so a jitted step compiles once per role.
 
   Attributes:
     a, b: the two buffers, of one shape, dtype and sharding.
@@ -69,16 +55,13 @@ def is_double(x: Any) -> bool:
 
 
 def front_buffers(tree: Any) -> Any:
-  """``tree`` with each ``DoubleBuffer`` replaced by the buffer that holds
-  its values (``stream_blocks(..., spare_buffers=True)``' layout read as
-  plain arrays): for checkpoints, metrics, ``join_stacks``."""
+  """``tree`` with each ``DoubleBuffer`` replaced by its ``front`` buffer."""
   return jax.tree.map(lambda x: x.front if is_double(x) else x, tree,
                       is_leaf=is_double)
 
 
 def check_not_doubled(tree: Any, what: str, arg: str) -> None:
-  """Raises ValueError, naming the argument, the leaf and ``front_buffers``,
-  where ``tree`` holds a ``DoubleBuffer``: ``what`` takes plain arrays."""
+  """Refuses a ``DoubleBuffer`` in ``tree``: ``what`` takes plain arrays."""
   for path, x in jax.tree_util.tree_flatten_with_path(
       tree, is_leaf=is_double)[0]:
     if is_double(x):

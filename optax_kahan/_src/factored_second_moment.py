@@ -1,37 +1,15 @@
 """Adafactor's factored second moment, in the rescaled form Prodigy drives.
 
-For a leaf with at least two dimensions, the full second moment ``v`` (one
-number per weight) is replaced by two EMAs over the last two axes, the row
-means ``R`` (over the last axis) and the column means ``C`` (over the
-second-to-last axis)::
-
-    R <- b2 rho^2 R + (1 - b2) mean(g^2 + eps2, axis=-1)
-    C <- b2 rho^2 C + (1 - b2) mean(g^2 + eps2, axis=-2)
-    v^ = R (x) C / mean(R)          (the rank-1 estimate of v)
-
-Leading axes are kept (a ``(kh, kw, cin, cout)`` kernel stores
-``kh*kw*(cin + cout)`` numbers); leaves of fewer than two dimensions keep a
-full ``v``. The step is ``m / (sqrt(v^) + d_growth * eps)``, coupled to
-Prodigy as ``scale_by_second_moment`` is.
-
-Which axes: optax's ``scale_by_factored_rms`` factors the two *largest* axes
-when the second largest has at least 128 entries, and decays with
-``1 - t^-0.8``. Here the *last two* axes are (the large ones of Flax's
-``(..., in, out)`` kernels, whatever the sizes), ``min_dim_size_to_factor``
-(default 1) is the smallest size of them worth factoring, and ``b2`` is a
-constant or a schedule (``lambda t: 1 - t**-0.8`` gives Adafactor's).
-
-``eps2`` is added to ``g^2`` and is never multiplied by Prodigy's ``d^2``: in
-the reference discussion of Stable Cascade, a floor scaled by ``d^2``
-underflowed in bfloat16 and all-zero gradients then gave ``0/0 = NaN``.
+Unlike optax's ``scale_by_factored_rms`` (the two largest axes, if the second
+has >= 128 entries; decay ``1 - t^-0.8``) it factors the last two axes
+(Flax's ``(..., in, out)``) and ``b2`` is a constant or a schedule. ``eps2``
+is never scaled by ``d^2``: such a floor underflowed in bf16, giving
+``0/0 = NaN`` on all-zero gradients (Stable Cascade, prodigyopt discussion).
 
 References:
   Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory
-  Cost", ICML 2018 (arXiv:1804.04235).
-  prodigyopt PR #20 (no first moment, factored second moment, update clip).
+  Cost", ICML 2018 (arXiv:1804.04235); prodigyopt PR #20.
 """
-
-from __future__ import annotations
 
 import functools
 from typing import Callable, NamedTuple, Optional, Union
@@ -47,15 +25,9 @@ from optax_kahan._src.second_moment import rescale_moment
 
 
 class ScaleByFactoredSecondMomentState(NamedTuple):
-  """State of ``scale_by_factored_second_moment``.
-
-  ``row``, ``col`` and ``v`` are trees like the params (as in optax's
-  ``FactoredState``). A factored leaf has its row and column EMAs and a
-  one-element placeholder ``v``; any other leaf has a full ``v`` and
-  placeholder ``row`` and ``col``. Placeholders, not None: containers that
-  rebuild the state from its arrays (Flax NNX's ``nnx.Optimizer``) drop None
-  entries; and not empty arrays, which orbax refuses to save.
-  """
+  """State of ``scale_by_factored_second_moment``; unused ``row``, ``col``,
+  ``v`` leaves are one-element placeholders (``nnx.Optimizer`` drops None,
+  orbax refuses empty arrays)."""
   count: chex.Array  # int32 scalar
   mu: Optional[optax.Updates]
   row: optax.Updates  # shape[:-1] per factored leaf
@@ -81,20 +53,17 @@ def scale_by_factored_second_moment(
     \\epsilon_2), \\quad \\hat v_t = \\frac{R_t \\otimes C_t}{\\mathrm{mean}(R_t)},
     \\quad u_t = \\frac{m_t}{\\sqrt{\\hat v_t} + \\gamma\\epsilon}
 
-  with ``m_t`` as in ``scale_by_second_moment`` (``gamma g_t`` when b1 = 0).
+  with ``m_t``, ``rho``, ``gamma`` as in ``scale_by_second_moment``.
 
   Args:
     b1: first-moment decay; 0 (the default) keeps no first moment.
     b2: second-moment decay, a float or a schedule ``count -> decay``.
     eps: added outside the root (may be 0 when ``eps2`` keeps ``v^ > 0``).
     eps2: added to ``g^2`` inside the moments; never scaled by ``d^2``.
-    min_dim_size_to_factor: factor a leaf only when both of its last two axes
-      have at least this many entries.
-    state_dtype: dtype of the per-element state, ``m`` and the full ``v`` of
-      unfactored leaves (e.g. ``jnp.bfloat16``); None follows the params. The
-      factored row and column statistics keep the params' dtype: they are
-      1/width of the leaf's size, and being means over a whole row or column
-      their per-step change is smooth and would round away in bfloat16.
+    min_dim_size_to_factor: factor a leaf if its last two axes are this long.
+    state_dtype: dtype of ``m`` and of unfactored leaves' ``v`` (e.g.
+      ``jnp.bfloat16``); None follows the params. ``R`` and ``C`` keep the
+      params' dtype: they are small and their smooth change would round away.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` accepting the extra args
@@ -160,13 +129,11 @@ def scale_by_factored_second_moment(
 
 
 def _factored(p: jax.Array, min_dim: int) -> bool:
-  """Whether leaf ``p``'s second moment is factored."""
   return p.ndim >= 2 and min(p.shape[-2:]) >= min_dim
 
 
 def _init_mean(p: jax.Array, axis: int, min_dim: int) -> jax.Array:
-  """Zeros like the mean of ``p`` over ``axis`` (the update's sharding), or
-  a placeholder for an unfactored leaf."""
+  """Zeros like ``p``'s mean over ``axis`` (its sharding), or a placeholder."""
   if not _factored(p, min_dim):
     return jnp.zeros((1,), p.dtype)
   return jnp.zeros_like(jnp.mean(p, axis=axis), dtype=p.dtype)

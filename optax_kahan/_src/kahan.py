@@ -1,28 +1,21 @@
 """Kahan-compensated bfloat16 updates with uint16 residuals parked in host memory.
 
-bfloat16 keeps the upper 16 bits of a float32 (see ``optax_kahan.bits``). Plain
-bfloat16 updates ``p <- bf16(p + u)`` drop every change smaller than half an ulp
-(about ``2**-9 |p|``): at polishing learning rates training silently stops. Here
-the low 16 bits are kept as a ``uint16`` residual per weight, so the exact
-float32 value ``x = merge(p, lo)`` survives between steps::
+Plain bfloat16 updates ``p <- bf16(p + u)`` drop every change under half an
+ulp (about ``2**-9 |p|``). Here the low 16 bits of each float32 weight are kept
+as a ``uint16`` residual (``optax_kahan.bits``)::
 
     x     = merge(p, lo)              # exact float32, rebuilt from the bits
-    x'    = x + u                     # float32 arithmetic
-    p, lo = split(x')                 # bf16 for the device, uint16 residual
+    p, lo = split(x + u)              # bf16 for the device, uint16 residual
 
-The sequence of ``x`` is bit for bit that of float32 master weights, while the
-device holds 2 bytes per weight. Between steps the residuals live in host memory
-(``pinned_host``); inside a jitted step they move with ``jax.device_put``, each
-in its own leaf's rows (``optax_kahan.per_leaf``), so the step stays one XLA
-program and holds a leaf or two of residuals at a time.
+Between steps the residuals live in host memory (``pinned_host``); inside the
+jitted step they move with ``jax.device_put`` in their leaf's rows
+(``optax_kahan.per_leaf``). See docs/guides/kahan.md.
 
 References:
   Kahan, "Further remarks on reducing truncation errors", CACM 1965.
   Zamirai et al., "Revisiting BFloat16 Training", arXiv:2010.06192, 2020.
   sd-scripts PR #2159 (uint16 residuals sent to the CPU between steps).
 """
-
-from __future__ import annotations
 
 import contextlib
 import dataclasses
@@ -58,11 +51,9 @@ Residuals = Any  # A tree like the params: uint16 arrays, None for wide leaves.
 
 def _check_residuals(params: Any, residuals: Residuals,
                      allow_masked: bool = False) -> list[Any]:
-  """The residuals, one per params leaf, checked leaf by leaf; a ValueError
-  names the leaf whose residual is missing, superfluous or of the wrong dtype
-  or shape, or where the trees differ. With ``allow_masked`` (the export),
-  node types may differ where the key paths agree, and ``MaskedNode``
-  residuals are accepted."""
+  """The residuals, one per params leaf; a ValueError names the leaf whose
+  residual is wrong. ``allow_masked``: ``MaskedNode`` residuals and node
+  types that differ where the key paths agree are accepted (the export)."""
   if validation.find(residuals, KahanState):
     raise ValueError(
         "residuals is an optimizer state (it holds a KahanState); pass its "
@@ -111,8 +102,7 @@ def _add(p: jax.Array, lo: Any, x: jax.Array, u: jax.Array,
                    data_fields=["p", "lo"], meta_fields=["host"])
 @dataclasses.dataclass(frozen=True)
 class _Weight:
-  """One leaf's row input: its bf16 weight, its residual, and (static)
-  whether the residual lives in host memory."""
+  """One leaf's row input: weight, residual, whether that is on the host."""
   p: jax.Array
   lo: Any
   host: bool
@@ -125,17 +115,12 @@ def kahan_init(
 
   Args:
     params: a tree of bfloat16 (and optionally float32/float64) arrays.
-    rounding: the rounding mode the residuals will be used with (checked here
-      so a typo fails early; zero residuals mean the same in both modes).
-    offload: put the residuals in host memory (``pinned_host``). With False
-      they stay in device memory.
+    rounding: the mode the residuals will be used with (checked early).
+    offload: put the residuals in host memory (``pinned_host``).
 
   Returns:
-    A tree like ``params``: ``uint16`` zeros with each bfloat16 leaf's shape
-    and sharding, ``None`` for wide float leaves.
-
-  Raises:
-    ValueError: for a leaf of another dtype, naming its path.
+    ``uint16`` zeros like each bfloat16 leaf, ``None`` for wide leaves; a
+    leaf of another dtype raises a ValueError naming it.
   """
   bits.check_rounding(rounding)
 
@@ -157,9 +142,8 @@ def kahan_apply_updates(
 ) -> tuple[Any, Residuals]:
   """Applies ``updates`` exactly: ``p, lo <- split(merge(p, lo) + u)``.
 
-  The sum is float32, so each weight's float32 value evolves bit for bit as
-  float32 master weights would. Leaf by leaf (``for_each_leaf``), each host
-  residual brought in and sent back to host memory inside its leaf's row.
+  The sum is float32, leaf by leaf (``for_each_leaf``); each host residual
+  comes in and goes back inside its leaf's row.
 
   Args:
     params: the params tree (bfloat16 leaves with residuals; float32/float64
@@ -188,8 +172,6 @@ def kahan_apply_updates(
   treedef = jax.tree.structure(params, is_leaf=is_none)
 
   def row(w, u):
-    # One leaf: the new weight is free (XLA may fuse it into its reader), the
-    # new residual chained, sent back to the host inside the row.
     if w.p is None:
       return None, None
     p, lo = _add(w.p, w.lo, _exact(w.p, w.lo, rounding), u, rounding)
@@ -245,10 +227,8 @@ def kahan_to_float32(
 ) -> Any:
   """The exact float32 value of each weight: ``merge(p, lo)``.
 
-  To export a float32 checkpoint, evaluate at full precision or compare with
-  a float32 run. Wide float leaves are returned as they are; a bf16 leaf
-  this ``kahan`` does not train (an ``optax.MaskedNode`` residual, under
-  ``optax.masked`` or ``partition``) is its bf16 value in float32.
+  Wide float leaves are returned as they are; a bf16 leaf this ``kahan`` does
+  not train (a ``MaskedNode`` residual) is its bf16 value in float32.
 
   Args:
     params: the params; with Flax NNX, ``nnx.state(model, nnx.Param)``.
@@ -284,9 +264,8 @@ NNX_STEP_WARNING = "kahan: the params are an nnx.State"
 
 @contextlib.contextmanager
 def no_step_counter() -> Iterator[None]:
-  """Silences the ``nnx.State`` warning of ``kahan``'s init, for callers
-  whose params no uncommitted step counter comes with (``blockwise_init``)
-  or that commit it themselves (``kahan_nnx_optimizer``)."""
+  """Silences ``kahan`` init's ``nnx.State`` warning (for callers that have
+  no uncommitted step counter or commit it themselves)."""
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=NNX_STEP_WARNING,
                             category=validation.OptaxKahanWarning)
@@ -294,9 +273,8 @@ def no_step_counter() -> Iterator[None]:
 
 
 def _warn_if_nnx_optimizer(params: Any, state: Any) -> None:
-  """Warns for params that are an ``nnx.State`` (as ``nnx.Optimizer`` passes
-  them) when the state holds committed arrays: the optimizer's step counter
-  is uncommitted, so the jitted step would compile twice."""
+  """Warns for ``nnx.State`` params beside a committed state: nnx.Optimizer's
+  uncommitted step counter would make the jitted step compile twice."""
   nnx = sys.modules.get("flax.nnx")  # no nnx.State without flax.nnx loaded
   if nnx is None or not isinstance(params, nnx.State):
     return
@@ -329,52 +307,31 @@ def kahan(
     p', lo'        = split(x + u)
     returned delta = float32(p') - float32(p)
 
-  ``inner`` sees the exact float32 params and float32 gradients (an exact
-  upcast): its moments live in float32, and weight decay or Prodigy's
-  distance to the initial point see the true weights.
+  ``inner`` sees the exact float32 weights and gradients. The float32 delta
+  makes ``optax.apply_updates`` (``(p + u).astype(p.dtype)``) land exactly on
+  ``p'`` (a difference of two bf16 numbers is exact in float32 unless their
+  magnitudes differ by more than about ``2**15``); a bf16 delta would itself
+  be rounded. float32/float64 leaves get ``inner``'s update; other dtypes
+  raise at init. ``init(params, residuals)`` starts from exact float32
+  weights (``kahan_from_float32(w32)``), the inner state too.
 
-  Why float32 deltas: ``optax.apply_updates`` computes ``(p + u).astype(p.dtype)``.
-  With ``u = float32(p') - float32(p)`` the sum is ``p'`` exactly (the
-  difference of two bf16 numbers is exact in float32 unless their magnitudes
-  differ by more than about ``2**15``), so the bf16 params land on ``p'``,
-  matching ``lo'``. A bf16 delta would itself be rounded: about 3% of
-  elements would land on a neighbour of ``p'`` when ``|delta / p| >= 0.5``.
-
-  Float32 and float64 leaves need no residual: their update is ``inner``'s.
-  Other dtypes raise a ValueError at init naming the leaf. ``init(params)``
-  starts the residuals at zero (each weight's float32 value is its bf16);
-  ``init(params, residuals)`` from exact float32 weights
-  (``kahan_from_float32(w32)``), which the inner state starts from too.
-
-  Leaf by leaf: ``inner``'s per-leaf stages (``optax_kahan.per_leaf``) run in
-  rows, each leaf's merge, update and split inside its own; on a GPU one
-  residual goes out while the next comes in. Prodigy's sums take a pass of
-  their own, so its residuals come in twice. An ``inner`` with no per-leaf
-  form runs on the whole tree, with a warning.
-
-  Donation: params and state can be donated; each residual leaves the step
-  in the memory it came in (one restored into device memory under
-  ``offload=True`` stays there, with a warning that says how to move it).
-  Committed params: the residuals are committed arrays, and a jitted step
-  whose arguments mix committed and uncommitted ones compiles again on its
-  second call; ``init`` commits the rest of the state where the params live
-  and warns when they are uncommitted (``jax.device_put(params,
-  jax.devices()[0])`` before ``init``). Wrappers: ``kahan`` goes outermost,
-  or under ``optax.MultiSteps``, ``masked``, ``partition`` or
-  ``inject_hyperparams``; ``apply_if_finite`` goes inside (around ``kahan``
-  it would pair the float32 deltas with zeros of bf16 gradients).
+  ``inner``'s per-leaf stages (``optax_kahan.per_leaf``) run in rows, each
+  leaf's merge, update and split in its own; an ``inner`` with no per-leaf
+  form runs on the whole tree, with a warning. Params and state can be
+  donated; each residual leaves the step in the memory it came in. ``init``
+  commits the state where the params live (commit the params first, or the
+  first step compiles twice). ``kahan`` goes outermost or under
+  ``MultiSteps``, ``masked``, ``partition``, ``inject_hyperparams``;
+  ``apply_if_finite`` goes inside it.
 
   Args:
-    inner: any optax transformation (extra args such as ``value`` are passed
-      through to it).
-    rounding: how the bf16 params seen by the forward pass are rounded:
-      ``"nearest"`` (default, ties away from zero) or ``"truncate"``.
-    offload: where ``init`` puts the residuals: host memory
-      (``pinned_host``, the default) or device memory (False).
+    inner: any optax transformation (extra args are passed through).
+    rounding: ``"nearest"`` (default, ties away from zero) or ``"truncate"``.
+    offload: ``init`` puts the residuals in host memory (default) or not.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
-    ``KahanState``; it implements the per-leaf contract itself.
+    ``KahanState``.
 
   Example:
     >>> import optax
@@ -396,13 +353,13 @@ def kahan(
   def init_fn(params, residuals=None):
     if validation.is_abstract(params):
       return jax.eval_shape(init_fn, params, residuals)
-    leaves = jax.tree.leaves(params)
-    if leaves and all(jnp.result_type(p) in (jnp.float32, jnp.float64)
-                      for p in leaves):
+    flat = jax.tree.leaves(params)
+    if flat and all(jnp.result_type(p) in (jnp.float32, jnp.float64)
+                    for p in flat):
       validation.warn(
-          f"kahan: none of the params' {len(leaves)} leaves is bfloat16, so "
+          f"kahan: none of the params' {len(flat)} leaves is bfloat16, so "
           "there is nothing to compensate and this is plain "
-          f"{jnp.result_type(leaves[0])} training; for bf16 weights with "
+          f"{jnp.result_type(flat[0])} training; for bf16 weights with "
           "exact updates, make the params bfloat16 (Flax: "
           "param_dtype=jnp.bfloat16)", stacklevel=2)
     if residuals is None:
@@ -427,11 +384,9 @@ def kahan(
 
 def _checked(updates: Any, state: KahanState, params: Any, offload: bool,
              staged: bool):
-  """The residuals one per gradient leaf, after the checks, and the function
-  that makes the residual tree of the new ones (each back in the memory its
-  old one came from). ``staged``: the caller brought the residuals into
-  device memory and sends the new ones back (the blockwise step), so their
-  memory is not checked against ``offload``."""
+  """The residuals, one per gradient leaf, checked, and the function that
+  makes the tree of new ones (each in its old one's memory). ``staged``: the
+  caller moves them (the blockwise step); their memory is not checked."""
   if params is None:
     raise ValueError("kahan(...).update needs params: call "
                      "tx.update(grads, state, params)")
@@ -455,9 +410,8 @@ def _checked(updates: Any, state: KahanState, params: Any, offload: bool,
 
 def _stages(inner, rounding, offload, updates, state, params, *,
             kahan_staged: bool = False, **extra_args):
-  """``kahan``'s stages: ``inner``'s, each row merging its leaf's weight and
-  residual and the last one splitting the sum; or, for an ``inner`` with no
-  per-leaf form, the reason (after a warning)."""
+  """``inner``'s stages around merge and split; or, with no per-leaf form,
+  the reason (after a warning)."""
   lows, residuals = _checked(updates, state, params, offload,
                              kahan_staged)
   exact_like = jax.tree.map(lambda p: jax.ShapeDtypeStruct(
@@ -480,8 +434,7 @@ def _stages(inner, rounding, offload, updates, state, params, *,
     return rnd._replace(statistic=fn)
 
   def update(g, s, w, shared, **extra):
-    # The new residual goes back to host memory inside the leaf's row, so
-    # that the next leaf's rows wait for its copy (on a GPU).
+    # The new residual goes to the host inside the row (the next row waits).
     x = _exact(w.p, w.lo, rounding)
     u, s = inner_st.update(upcast(g), s, x, shared, **extra)
     hi, new_lo = _add(w.p, w.lo, x, u, rounding)
@@ -502,8 +455,7 @@ def _stages(inner, rounding, offload, updates, state, params, *,
 
 def _whole_tree(inner, rounding, offload, updates, state, params, *,
                 kahan_staged: bool = False, **extra_args):
-  """``kahan``'s step for an ``inner`` with no per-leaf form: merge every
-  leaf, ``inner.update`` on the whole tree, split every leaf."""
+  """``kahan``'s whole-tree step: merge all, ``inner.update``, split all."""
   lows, residuals = _checked(updates, state, params, offload,
                              kahan_staged)
   treedef = jax.tree.structure(updates)
@@ -521,9 +473,8 @@ def _whole_tree(inner, rounding, offload, updates, state, params, *,
 
 
 def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
-  """Warns, naming the leaf and the fix, for residuals (``lows``, one per
-  params leaf) outside the memory ``offload`` says. They stay there: a step
-  whose output lands in another memory than a donated input aborts."""
+  """Warns, naming the leaf and the fix, for residuals outside the memory
+  ``offload`` says (they stay there: a donated input's output must too)."""
   misplaced = [path for path, lo in zip(paths(params), lows)
                if lo is not None and not isinstance(lo, optax.MaskedNode)
                and on_host(lo) != offload]
@@ -541,9 +492,8 @@ def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
         stacklevel=5)
 
 
-# Optimizer states that hold one state per group of params (the blockwise
-# step's): their type -> (residuals of one, the state with new residuals).
-# The layer that defines such a state registers it.
+# States of groups of params (the blockwise step's), registered by their
+# layer: type -> (residuals of one, the state with new residuals).
 _GROUPED: dict[type, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
@@ -552,27 +502,20 @@ def register_grouped_state(
     residuals_of: Callable[[Any], Any],
     with_residuals: Callable[[Any, Any], Any],
 ) -> None:
-  """Declares ``state_type`` a state of groups of params, each with its own
-  optimizer state: ``kahan_residuals`` of one is ``residuals_of(state)``
-  and ``kahan_replace_residuals`` is ``with_residuals(state, residuals)``
-  (both built from the per-group functions)."""
+  """Declares how ``kahan_residuals`` and ``kahan_replace_residuals`` read and
+  replace the residuals of a ``state_type`` (a state of groups of params)."""
   _GROUPED[state_type] = (residuals_of, with_residuals)
 
 
 def kahan_residuals(opt_state: optax.OptState) -> Residuals:
   """The residuals of the ``KahanState`` inside ``opt_state``.
 
-  Works whatever wraps ``kahan`` (``MultiSteps``, ``inject_hyperparams``, a
-  chain, ``nnx.Optimizer``'s state); export exact float32 weights with
-  ``kahan_to_float32``. With one ``kahan`` per group under
-  ``optax.partition`` or ``masked``, the groups' residuals (``MaskedNode``
-  for the other groups' leaves) are combined leaf by leaf. Of a
-  ``BlockwiseState``, a ``BlockwiseParams`` of each group's residuals (the
-  stacks' with their block axis).
+  Works whatever wraps ``kahan``. With one ``kahan`` per group (``partition``,
+  ``masked``) the groups' residuals are combined leaf by leaf. Of a
+  ``BlockwiseState``: a ``BlockwiseParams`` of each group's residuals.
 
-  Raises:
-    ValueError: if ``opt_state`` holds no ``KahanState``, or two of them
-      hold a residual for the same leaf.
+  Raises ValueError if there is no ``KahanState``, or two hold a residual
+  for the same leaf.
   """
   if type(opt_state) in _GROUPED:
     return _GROUPED[type(opt_state)][0](opt_state)
@@ -602,27 +545,20 @@ def kahan_replace_residuals(
 ) -> optax.OptState:
   """Puts ``residuals`` into every ``KahanState`` inside ``opt_state``.
 
-  Use it when the params change outside the optimizer (a checkpoint load, an
-  EMA swap): re-import exact float32 weights with
-  ``params, res = kahan_from_float32(w32)``, or reset with
-  ``res = kahan_init(params)`` (the float32 value of each weight is then its
-  bf16 value), then ``opt_state = kahan_replace_residuals(opt_state, res)``.
-
-  Stale residuals are never unsafe: ``merge(p, lo)`` lies within half a bf16
-  ulp of ``p`` in nearest mode (``|p| <= |merge| < |p| + ulp`` in truncate
-  mode) whatever ``lo`` holds: forgetting to reset costs that, once.
+  For params changed outside the optimizer (a checkpoint load, an EMA swap):
+  ``params, res = kahan_from_float32(w32)`` or ``res = kahan_init(params)``,
+  then ``opt_state = kahan_replace_residuals(opt_state, res)``. A stale
+  residual costs at most one bf16 ulp (half in nearest mode), once.
 
   Args:
     opt_state: a state containing one or more ``KahanState``, or a
       ``BlockwiseState``.
-    residuals: a tree like the old residuals (same structure, dtypes,
-      shapes): a ``BlockwiseParams`` of them for a ``BlockwiseState``.
+    residuals: a tree like the old residuals (a ``BlockwiseParams`` of them
+      for a ``BlockwiseState``).
 
   Returns:
-    The state with the new residuals (in the memory kind they come in).
-
-  Raises:
-    ValueError: if there is no ``KahanState`` or the trees do not match.
+    The state with the new residuals (in the memory they come in); a
+    ValueError if there is no ``KahanState`` or the trees do not match.
   """
   if type(opt_state) in _GROUPED:
     return _GROUPED[type(opt_state)][1](opt_state, residuals)

@@ -1,15 +1,8 @@
 """Running a transformation leaf by leaf: ``leafwise``, and ``chain``.
 
-``leafwise(tx)`` runs ``tx``'s stages (declared, or cut from its own
-whole-tree program: ``optax_kahan.traced``) one leaf after the other;
-``chain`` composes declared stages (``optax.chain``'s state and results) so
-that a member's own form, a reduce-late ``LateSums`` say, is kept.
-
 References:
   PyTorch optimizers' ``foreach=False`` loops, one tensor at a time.
 """
-
-from __future__ import annotations
 
 import jax
 import optax
@@ -24,10 +17,9 @@ def chain(*txs: optax.GradientTransformation
           ) -> optax.GradientTransformationExtraArgs:
   """``optax.chain`` that keeps the per-leaf contract of its members.
 
-  ``optax.chain``'s state and results. Its stages: the members' rounds in
-  order (member ``j``'s statistics read members ``0..j-1``'s per-leaf
-  updates, recomputed in that round's rows), then each member's update. With
-  a member that has no per-leaf form, the update is ``optax.chain``'s.
+  ``optax.chain``'s state and results, each member's own stages kept (its
+  ``LateSums``; member ``j``'s rows recompute members ``0..j-1``'s updates).
+  A member with no per-leaf form makes the update ``optax.chain``'s.
 
   Args:
     *txs: the transformations, in order.
@@ -37,8 +29,7 @@ def chain(*txs: optax.GradientTransformation
 
   Example:
     >>> import optax
-    >>> import optax_kahan as ok
-    >>> tx = ok.per_leaf.chain(ok.per_leaf.clip_by_global_norm(1.0), optax.adamw(1e-4))
+    >>> tx = chain(clip_by_global_norm(1.0), optax.adamw(1e-4))
   """
   txs = tuple(optax.with_extra_args_support(t) for t in txs)
   plain = optax.chain(*txs)
@@ -57,23 +48,18 @@ def chain(*txs: optax.GradientTransformation
     leaf_states = [tuple(m.leaf_states[i] for m in members) for i in range(n)]
 
     def through(g, s, x, shared, upto, **extra):
-      # The updates of members 0..upto-1 of one leaf (states unchanged).
       for m, si, sh in zip(members[:upto], s, shared):
         g, _ = m.update(g, si, x, sh, **extra)
       return g
-
     rounds = []
     for j, m in enumerate(members):
       for rnd in m.rounds:
-
         def statistic(g, s, x, shared, j=j, rnd=rnd, **extra):
           g = through(g, s, x, shared, j, **extra)
           stat, sj = rnd.statistic(g, s[j], x, shared[j], **extra)
           return stat, s[:j] + (sj,) + s[j + 1:]
-
         def combine(sums, shared, j=j, rnd=rnd):
           return shared[:j] + (rnd.combine(sums, shared[j]),) + shared[j + 1:]
-
         rounds.append(rnd._replace(statistic=statistic, combine=combine))
 
     def update(g, s, x, shared, **extra):
@@ -82,25 +68,18 @@ def chain(*txs: optax.GradientTransformation
         g, si = m.update(g, si, x, sh, **extra)
         new.append(si)
       return g, tuple(new)
-
     def finish(states, shared):
       return tuple(m.finish([s[j] for s in states], shared[j])
                    for j, m in enumerate(members))
-
     return LeafStages(leaf_states, tuple(m.shared for m in members),
                       tuple(rounds), update, finish)
 
-  return transformation(plain.init, stages, whole_tree=plain.update,
-                        parts=txs)
+  return transformation(plain.init, stages, whole_tree=plain.update, parts=txs)
 
 
 def leafwise(tx: optax.GradientTransformation
              ) -> optax.GradientTransformationExtraArgs:
   """Runs ``tx`` row by row (``for_each_leaf``), bounding its scratch by a leaf.
-
-  A whole-tree program has every leaf's float32 temporaries alive at once;
-  ``leafwise(tx)`` runs ``tx``'s stages (``stages_of``) one leaf after the
-  other, as ``kahan`` does, with ``tx``'s results (module docstring).
 
   Args:
     tx: a transformation with a per-leaf form.
@@ -109,8 +88,7 @@ def leafwise(tx: optax.GradientTransformation
     An ``optax.GradientTransformationExtraArgs`` with ``tx``'s state.
 
   Raises:
-    ValueError: at the first update, when ``tx`` has no per-leaf form (it
-      couples leaves in a way it does not declare), saying why.
+    ValueError: at the first update, when ``tx`` has no per-leaf form.
 
   Example:
     >>> import optax

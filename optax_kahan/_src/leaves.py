@@ -1,10 +1,4 @@
-"""The leaves of a bf16 params tree, for ``kahan`` and ``stochastic_rounding``:
-which get a residual (``needs_residual``), exact upcasts, the float32 delta
-that lands on a new bf16 weight, another tree's entries one per params leaf
-with errors that name the first path where the trees differ, and a state
-committed where the params are (``commit_with``)."""
-
-from __future__ import annotations
+"""A bf16 params tree's leaves, for ``kahan`` and ``stochastic_rounding``."""
 
 from typing import Any, Callable
 
@@ -28,11 +22,8 @@ def paths(tree: Any) -> list[str]:
 
 
 def needs_residual(leaf: Any, path: str = "") -> bool:
-  """True for bfloat16 leaves, False for float32/float64 or None ones.
-
-  Raises:
-    ValueError: for any other dtype, naming ``path``.
-  """
+  """True for bfloat16 leaves, False for float32/float64 or None ones; raises
+  ValueError naming ``path`` for any other dtype."""
   if leaf is None:
     return False
   dtype = jnp.result_type(leaf)
@@ -48,13 +39,9 @@ def needs_residual(leaf: Any, path: str = "") -> bool:
 
 def leaves_like(params: Any, tree: Any, what: str,
                 strict: bool = False) -> list[Any]:
-  """``tree``'s entries, one per leaf of ``params`` (None leaves included).
-
-  Unless ``strict``, node types may differ where the key paths agree (Flax
-  NNX's ``nnx.State`` against the optimizer's ``OptVariable`` nodes); an
-  ``optax.MaskedNode`` stands for a leaf an outer ``optax.masked`` keeps away.
-  Raises a ValueError naming the first path where the trees differ.
-  """
+  """``tree``'s entries, one per leaf of ``params``; unless ``strict``, node
+  types may differ where key paths agree (``nnx.State``, ``optax.MaskedNode``).
+  Raises ValueError naming the first path where the trees differ."""
   treedef = jax.tree.structure(params, is_leaf=is_none)
   try:
     return treedef.flatten_up_to(tree)
@@ -91,12 +78,8 @@ def upcast(tree: Any) -> Any:
 
 
 def landing_delta(p: jax.Array, new: jax.Array) -> jax.Array:
-  """The float32 update that ``optax.apply_updates`` turns ``p`` into ``new``.
-
-  ``float32(new) - float32(p)``: the difference of two bf16 numbers, exact in
-  float32 unless their magnitudes differ by more than about ``2**15``; zero
-  where the weight does not move, so that a weight at +-Inf stays there
-  instead of becoming ``Inf - Inf = NaN``.
-  """
+  """The float32 update with which ``optax.apply_updates`` turns ``p`` into
+  ``new``: exact unless magnitudes differ by about ``2**15``; zero where the
+  weight does not move, so a weight at +-Inf does not become ``NaN``."""
   return jnp.where(new == p, 0.0,
                    new.astype(jnp.float32) - p.astype(jnp.float32))

@@ -1,32 +1,19 @@
 """Stacked leaves as blocks: an optimizer applied to each block of a stack.
 
-Models that scan over their blocks (``nn.scan``, ``nnx.scan`` over
-``nnx.vmap``-built blocks: MaxText, MaxDiffusion) keep each weight of the
-blocks as one leaf with leading block axes, ``theta_i`` of shape
-``(L_i, ...)``. To a per-leaf statistic that leaf is one tensor: the factored
-second moment factors a stacked ``(L, d)`` bias across its blocks, Prodigy's
-``slice_p`` slices across block boundaries, an RMS clip or adafactor's
-parameter scale mixes all blocks. ``per_block(tx, block_axes)`` is ``tx`` on
-the tree in which every stacked leaf is replaced by its blocks::
+``per_block(tx, block_axes)`` is ``tx`` on the tree in which every stacked
+(``nn.scan``, ``nnx.vmap``) leaf is replaced by its blocks::
 
     per_block(tx).init(theta)       = tx.init(U(theta))
     per_block(tx).update(g, s, theta) = (S(u), s'),
         (u, s') = tx.update(U(g), s, U(theta))
 
-with ``U`` the unstacking (``theta_i -> (theta_{i,1}, ..., theta_{i,L_i})``,
-a tuple in the leaf's place) and ``S`` its inverse. So the ordinary step on
-the stacked tree, ``blockwise_step`` (which steps each block on its own) and
-the unstacked model are one optimizer. Where ``tx`` has a per-leaf form
-(``optax_kahan.per_leaf``) so does ``per_block(tx)``: a stacked leaf's row
-runs ``tx``'s row for each of its blocks, and each round reduces the
-blocks' statistics in the unstacked tree's order.
+with ``U`` the unstacking (``theta_i -> (theta_{i,1}, ..., theta_{i,L_i})``)
+and ``S`` its inverse; see docs/guides/flux.md.
 
 References:
   Flax ``nn.scan`` and ``nnx.vmap`` (``variable_axes``, ``transform_metadata``
   with ``PARTITION_NAME``); MaxText's ``scan_layers``.
 """
-
-from __future__ import annotations
 
 import math
 from typing import Any, Optional
@@ -43,9 +30,7 @@ from optax_kahan._src import validation
 
 
 class _Blocks:
-  """A stacked leaf's per-block states (a pytree node; its number of block
-  axes is static, so rows can unstack the leaf's arrays)."""
-
+  """A stacked leaf's per-block states; its block axes are static."""
   def __init__(self, states: tuple[Any, ...], axes: int):
     self.states = states
     self.axes = axes
@@ -56,8 +41,7 @@ jax.tree_util.register_pytree_node(
 
 
 def _blocks(x: Any, axes: int) -> list[Any]:
-  """The blocks of ``x`` (an array, a tracer or a ``jax.ShapeDtypeStruct``):
-  its slices over its first ``axes`` axes, in row-major order."""
+  """``x``'s slices over its first ``axes`` axes, in row-major order."""
   if x is None:
     return None
   shape = jnp.shape(x)
@@ -69,8 +53,7 @@ def _blocks(x: Any, axes: int) -> list[Any]:
 
 
 def _leaf_axes(block_axes: Any, tree: Any) -> list[int]:
-  """``block_axes`` (an int, or a tree of ints that is a prefix of
-  ``tree``'s) as one int per leaf of ``tree``, checked against its shapes."""
+  """``block_axes`` as one int per leaf of ``tree``, checked."""
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   try:
     axes = jax.tree.leaves(jax.tree.broadcast(block_axes, tree))
@@ -92,7 +75,7 @@ def _leaf_axes(block_axes: Any, tree: Any) -> list[int]:
 
 
 def _unstack(tree: Any, axes: list[int]) -> Any:
-  """``U``: each leaf with block axes replaced by the tuple of its blocks."""
+  """``U``: each stacked leaf replaced by the tuple of its blocks."""
   if tree is None:
     return None
   leaves, treedef = jax.tree.flatten(tree)
@@ -109,40 +92,27 @@ def per_block(tx: optax.GradientTransformation,
               block_axes: Any) -> optax.GradientTransformationExtraArgs:
   """``tx`` applied to each block of stacked leaves as to a leaf of its own.
 
-  For leaves ``theta_i`` whose first ``k_i`` axes index blocks (``L_i``
-  blocks), the transformation is ``tx`` on the tree where ``theta_i`` is
-  the tuple of its blocks ``theta_{i,b} = theta_i[b]``; its updates are
-  stacked back (module docstring). Every per-leaf statistic of ``tx`` (the
-  factored moment's row and column means, Prodigy's slice and sums, an RMS
-  clip, adafactor's parameter scale) is then a block's, and a sum over the
-  leaves (a global norm, Prodigy's ``d``) runs over every block.
-
-  ``blockwise_step`` already applies ``tx`` to one block at a time: give it
-  ``tx`` itself (its groups are not the tree ``block_axes`` describes).
+  Every per-leaf statistic of ``tx`` is then a block's, every sum over the
+  leaves runs over every block. Give ``blockwise_step`` ``tx`` itself.
 
   Args:
     tx: any gradient transformation.
-    block_axes: the number of leading block axes of each leaf: an int for
-      every leaf, or a tree of ints that is a prefix of the params' tree
-      (``{"embed": 0, "blocks": 1, "head": 0}``;
-      ``BlockwiseParams(0, (1, 1), 0)``), or ``block_axes_of(...)`` of the
-      model's partitioning metadata.
+    block_axes: each leaf's number of leading block axes: an int, a tree of
+      ints that is a prefix of the params' tree, or ``block_axes_of(...)``.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``; its state is ``tx``'s on
-    the unstacked tree. It has a per-leaf form where ``tx`` has one (a
-    stacked leaf's row runs its blocks' rows one after the other), so
-    ``kahan(per_block(tx, axes))`` keeps ``kahan``'s memory.
+    An ``optax.GradientTransformationExtraArgs`` with ``tx``'s state on the
+    unstacked tree, and a per-leaf form where ``tx`` has one.
 
   Raises:
     ValueError: for ``block_axes`` that do not fit the tree, naming the
       leaf; for ``per_block(kahan(...))`` (write ``kahan(per_block(...))``).
 
   Example:
-    >>> import optax
     >>> import optax_kahan as ok
     >>> params = {"blocks": {"b": jnp.zeros((4, 8))}, "out": jnp.zeros(8)}
-    >>> tx = ok.blockwise.per_block(ok.prodigy_factored(), {"blocks": 1, "out": 0})
+    >>> tx = ok.blockwise.per_block(ok.prodigy_factored(),
+    ...                             {"blocks": 1, "out": 0})
     >>> state = tx.init(params)
 
   References:
@@ -154,7 +124,6 @@ def per_block(tx: optax.GradientTransformation,
 
   def init_fn(params):
     return tx.init(_unstack(params, _leaf_axes(block_axes, params)))
-
   def whole_tree(updates, state, params=None, **extra_args):
     leaves, treedef = jax.tree.flatten(updates)
     axes = _leaf_axes(block_axes, updates)
@@ -181,36 +150,26 @@ def per_block(tx: optax.GradientTransformation,
     if start != len(inner.leaf_states):
       return (f"its stages cut the state into {len(inner.leaf_states)} "
               f"leaves for {start} blocks")
-
     def rows(fn, g, s, x):
-      # fn on each block of one leaf: [(out_b, state_b)].
       if not s.axes:
         return [fn(g, s.states[0], x)]
       xs = _blocks(x, s.axes) or [None] * len(s.states)
       return [fn(*row) for row in zip(_blocks(g, s.axes), s.states, xs)]
-
     def round_of(rnd):
-      # Each leaf's statistics are its blocks'; the round reduces them over
-      # every block, in the order of the unstacked tree.
       def statistic(g, s, x, shared, **extra):
         outs = rows(lambda *r: rnd.statistic(*r, shared, **extra), g, s, x)
         return (tuple(stat for stat, _ in outs),
                 _Blocks(tuple(b for _, b in outs), s.axes))
-
       def reduce(stats):
         blocks = [b for leaf in stats for b in leaf]
         return (per_leaf.total if rnd.reduce is None else rnd.reduce)(blocks)
-
       return rnd._replace(statistic=statistic, reduce=reduce)
-
     def update(g, s, x, shared, **extra):
       outs = rows(lambda *r: inner.update(*r, shared, **extra), g, s, x)
       u = _stack([u for u, _ in outs], g) if s.axes else outs[0][0]
       return u, _Blocks(tuple(b for _, b in outs), s.axes)
-
     def finish(states, shared):
       return inner.finish([b for s in states for b in s.states], shared)
-
     return per_leaf.LeafStages(
         cuts, inner.shared, tuple(round_of(r) for r in inner.rounds), update,
         finish)
@@ -220,8 +179,7 @@ def per_block(tx: optax.GradientTransformation,
 
 
 def _names(x: Any) -> Optional[tuple[Any, ...]]:
-  """The axis names of a linen ``nn.Partitioned`` box or an ``nnx.Variable``
-  with sharding metadata; None for anything else."""
+  """The axis names of an ``nn.Partitioned`` or ``nnx.Variable``, or None."""
   if isinstance(x, nn.Partitioned):
     return tuple(x.names)
   if isinstance(x, nnx.Variable):
@@ -234,31 +192,20 @@ def _names(x: Any) -> Optional[tuple[Any, ...]]:
 def block_axes_of(tree: Any, axis_name: str) -> Any:
   """Each leaf's number of leading block axes, from partitioning metadata.
 
-  ``nn.scan(..., metadata_params={nn.PARTITION_NAME: axis_name})`` and
-  ``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: axis_name})`` put
-  ``axis_name`` into the axis names of every weight they stack, at the block
-  axis. A leaf's block axes are its leading axes named ``axis_name``.
-
-  A stack this cannot see is refused, never taken as one tensor: no leaf
-  names ``axis_name`` (``nn.scan`` with ``PARTITION_NAME: None``, as
-  MaxDiffusion's FLUX transformer, names the block axis ``None``), or a leaf
-  without metadata sits in the same module as stacked ones (a bias without
-  ``nn.with_partitioning``), so its block axes are unknown.
+  A leaf's block axes are its leading axes named ``axis_name`` (the scan's
+  ``PARTITION_NAME``). A stack this cannot see (no leaf names ``axis_name``,
+  or an unannotated leaf beside stacked ones) is refused, not one tensor.
 
   Args:
-    tree: params with their metadata: linen's boxed variables (before
-      ``nn.meta.unbox``) or an ``nnx.State`` of ``nnx.Variable`` s.
+    tree: boxed linen params (before ``nn.meta.unbox``) or an ``nnx.State``.
     axis_name: the scan's partition name (MaxText: ``"layers"``).
 
   Returns:
-    A tree of ints, one per array (0 for a leaf outside the stacks), for
-    ``per_block``'s ``block_axes``.
+    ``per_block``'s ``block_axes``: an int per array, 0 outside the stacks.
 
   Raises:
-    ValueError: if ``axis_name`` is not a string, names an axis that is not
-      leading, names no axis at all, or a leaf's block axes are unknown;
-      each names the leaf and the fix (name the scan's axis, or give
-      ``per_block`` a tree of ints).
+    ValueError: if ``axis_name`` is not a str, names a non-leading axis or
+      none, or a leaf's block axes are unknown.
   """
   if not isinstance(axis_name, str):
     raise ValueError(
@@ -266,11 +213,10 @@ def block_axes_of(tree: Any, axis_name: str) -> Any:
         f"str), got {axis_name!r}; for a stack whose block axis has no name, "
         "give per_block its block axes as a tree of ints")
   is_box = lambda x: _names(x) is not None
-
   def axes(path, x):
     names = _names(x)
     if names is None:
-      return None  # no metadata: decided below
+      return None  # decided below
     k = 0
     while k < len(names) and names[k] == axis_name:
       k += 1
@@ -280,7 +226,6 @@ def block_axes_of(tree: Any, axis_name: str) -> Any:
           f"axis {axis_name!r} at a position that is not leading "
           f"(names {names}); per_block needs leading block axes")
     return k
-
   found = jax.tree_util.tree_map_with_path(axes, tree, is_leaf=is_box)
   flat = jax.tree_util.tree_flatten_with_path(
       found, is_leaf=lambda x: x is None)[0]
@@ -289,8 +234,7 @@ def block_axes_of(tree: Any, axis_name: str) -> Any:
         f"block_axes_of: no leaf has an axis named {axis_name!r}. An nn.scan "
         "with metadata_params={nn.PARTITION_NAME: None} (MaxDiffusion) leaves "
         f"its block axis unnamed: scan with {{nn.PARTITION_NAME: "
-        f"{axis_name!r}}}, or give per_block the block axes as a tree of "
-        "ints")
+        f"{axis_name!r}}}, or give per_block the block axes as a tree of ints")
   stacked = {path[:-1] for path, k in flat if k}
   for path, k in flat:
     if k is None and path[:-1] in stacked:
@@ -299,5 +243,4 @@ def block_axes_of(tree: Any, axis_name: str) -> Any:
           "partitioning metadata but sits beside stacked leaves, so its "
           "block axes are unknown: annotate it (nn.with_partitioning) or "
           "give per_block the block axes as a tree of ints")
-  return jax.tree.map(lambda k: k or 0, found,
-                      is_leaf=lambda x: x is None)
+  return jax.tree.map(lambda k: k or 0, found, is_leaf=lambda x: x is None)

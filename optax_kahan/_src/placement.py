@@ -1,12 +1,4 @@
-"""Where arrays live: host or device memory, and committed to a device.
-
-One place for the moves every layer makes: a residual sent to host memory
-(``pinned_host``) and brought back inside the jitted step
-(``jax.device_put`` with ``jax.memory.Space``), and a state committed where
-the params are, so that the first jitted step compiles once.
-"""
-
-from __future__ import annotations
+"""Where arrays live: host or device memory, and committed to a device."""
 
 from typing import Any
 
@@ -16,7 +8,6 @@ from optax_kahan._src import validation
 
 
 def on_host(x: Any) -> bool:
-  """True for an array (or tracer) that lives in host memory."""
   return (isinstance(x, (jax.Array, jax.core.Tracer))
           and jax.typeof(x).memory_space == jax.memory.Space.Host)
 
@@ -27,13 +18,11 @@ def to_host(x: jax.Array) -> jax.Array:
 
 
 def to_device(x: jax.Array) -> jax.Array:
-  """Brings ``x`` into device memory, keeping its sharding."""
   return jax.device_put(x, jax.memory.Space.Device)
 
 
 def on_device(tree: Any) -> Any:
-  """The tree's arrays that live in host memory, brought into device memory
-  (the others as they are)."""
+  """The tree with its host-memory arrays brought into device memory."""
   return jax.tree.map(lambda x: to_device(x) if on_host(x) else x, tree)
 
 
@@ -47,9 +36,8 @@ def commit_with(state: Any, params: Any, where: str) -> Any:
   """Commits ``state``'s uncommitted arrays where the (committed) params live.
 
   A jitted step given committed and uncommitted arguments returns committed
-  outputs, so its second call compiles again (minutes for a large model).
-  Uncommitted params with a state holding committed arrays (host residuals)
-  warn, naming ``where``: only the caller can commit them.
+  outputs, so its second call compiles again. Uncommitted params with a
+  committed state (host residuals) warn: only the caller can commit them.
   """
   concrete = lambda x: (isinstance(x, jax.Array)
                         and not isinstance(x, jax.core.Tracer))

@@ -1,58 +1,12 @@
-"""Prodigy's d-estimation (learning-rate free), around any rescalable preconditioner.
+"""Prodigy's learning-rate-free d-estimation around a rescalable preconditioner.
 
-Prodigy estimates the distance ``D = ||x0 - x*||`` that sets Adam's step size.
-With ``d = d_k`` at step ``k`` (prodigyopt 1.1.2, all sums over every leaf)::
-
-    bc    = sqrt(1 - b2^(k+1)) / (1 - b1^(k+1))  if use_bias_correction else 1
-    dlr   = d * lr_k * bc
-    r    <- b3 r + (d / d0) dlr <g_S, x0_S - x_S>
-    s    <- b3 s + (d / d0) dlr g_S            ((d / d0) d g_S with safeguard_warmup)
-    d^    = d_coef r / sum |s|
-    d     = max(d, d^) if d == d0 else d
-    d_max = max(d_max, d^);  d_{k+1} = min(d_max, d growth_rate)
-    x    <- x - dlr (P_k + lambda x)
-
-``S`` takes every ``slice_p``-th entry of each flattened leaf, and ``P_k`` is the
-preconditioned direction, here any transformation that accepts the extra
-arguments ``d_ratio = d_{k-1}/d_k`` and ``d_growth = d_{k+1}/d_k`` (see
-``scale_by_second_moment``): the preconditioner keeps moments of ``g`` rescaled
-by ``d``, so it composes with the d-estimator and with optax's own clipping.
-
-Reference behaviours kept on purpose:
-
-* If ``sum |s| == 0`` (no non-zero gradient reached ``s`` yet) the step is
-  skipped: no parameter change; ``d``, ``r`` and the step count stay (the
-  moments still absorb the gradient, as prodigyopt's do). optax.contrib.prodigy
-  gives NaN there. A learning rate of exactly 0 makes the step a no-op.
-* One ``d`` for all leaves; ``d``, ``d_max`` and ``r`` are float32 (float64
-  with float64 params); ``s`` and ``x0`` follow the params' dtype.
-* prodigyopt stores ``x0`` as a 0-d zero for an all-zero leaf; here it is a
-  zero slice of the same value (shapes are static under jit).
-* A schedule is evaluated at the number of ``update`` calls, as in optax; the
-  bias correction uses the number of steps taken, prodigyopt's ``k``.
-
-Clipping the update (``optax.clip_by_block_rms`` after the preconditioner,
-prodigyopt PR #20) leaves ``r`` and ``s`` alone, which see the raw gradient,
-but shortens the steps, so ``<g, x0 - x>``, and with it ``d^``, grows more
-slowly. Without bias correction the early updates are up to ``1/sqrt(1 -
-b2) = 31.6`` times a steady gradient's, so a clip at 1 acts on every early
-step: inside ``kahan`` that slows the start; on bf16 weights stepped directly
-it stalls ``d`` at ``d0``, as SD3.5 text-encoder runs reported
-(``benchmarks/prodigy_clip.py``). ``clip_by_bias_corrected_rms`` clips the
-bias-corrected update instead, which leaves the early steps alone, and
-``d^`` stays Prodigy's lower bound (for a convex loss it holds for any
-iterates). Letting ``s`` see the clip factor instead (``s`` adding ``c g``)
-was tried and rejected: re-weighting the denominator alone is no longer a
-bound, and on a least-squares problem ``d`` grew past the distance to the
-solution and the run diverged.
+See ``scale_by_prodigy`` and docs/guides/prodigy.md (why clipping slows d).
 
 References:
   Mishchenko & Defazio, "Prodigy: An Expeditiously Adaptive Parameter-Free
   Learner", ICML 2024 (arXiv:2306.06101); prodigyopt 1.1.2
   (https://github.com/konstmish/prodigy), including PRs #20 and #22.
 """
-
-from __future__ import annotations
 
 import functools
 from typing import Any, NamedTuple, Optional
@@ -68,22 +22,10 @@ from optax_kahan._src import validation
 
 
 class ScaleByProdigyState(NamedTuple):
-  """State of ``scale_by_prodigy``.
-
-  Attributes:
-    count: calls of ``update`` (learning-rate schedules are evaluated at it).
-    k: steps taken (prodigyopt's ``k``, for the bias correction).
-    d: the current estimate ``d_k``.
-    d_prev: the ``d`` the preconditioner's moments are scaled by.
-    d_max: the largest ``d^`` seen.
-    numerator: ``r``, the weighted sum of ``<g, x0 - x>``.
-    s: the weighted sum of (sliced) gradients, one array per leaf.
-    params0: the initial params, sliced.
-    preconditioner_state: the wrapped preconditioner's state.
-    pending: with ``lagged_d``, a ``LateSums`` of this step's sums over the
-      leaves it saw, ``[(d / d0) dlr <g_S, x0_S - x_S>, sum |s|]``, folded
-      into ``d`` at the start of the next step; None otherwise.
-  """
+  """State of ``scale_by_prodigy``: ``count`` calls of ``update`` (for
+  schedules), ``k`` steps taken, ``numerator`` ``r``, ``params0`` the sliced
+  ``x0``, ``d_prev`` the ``d`` the preconditioner's moments are scaled by and,
+  with ``lagged_d``, ``pending`` the step's sums (else None)."""
   count: chex.Array
   k: chex.Array
   d: chex.Array
@@ -97,7 +39,6 @@ class ScaleByProdigyState(NamedTuple):
 
 
 def _explicit_axes(x: Any) -> tuple[str, ...]:
-  """The Explicit mesh axes ``x`` is sharded over (none outside such a mesh)."""
   sharding = jax.typeof(x).sharding
   explicit = set(sharding.mesh.explicit_axes)
   used = jax.tree.leaves(tuple(sharding.spec))
@@ -105,11 +46,8 @@ def _explicit_axes(x: Any) -> tuple[str, ...]:
 
 
 def _slice(x: jax.Array, slice_p: int) -> jax.Array:
-  """Every ``slice_p``-th entry of the flattened ``x``; ``x`` itself for 1
-  (keeping its shape and sharding). Under Explicit sharding JAX's type rules
-  refuse an uneven strided slice: it is left to the SPMD partitioner (which
-  exchanges only the entries near shard boundaries), the result replicated.
-  """
+  """Every ``slice_p``-th entry of the flattened ``x`` (``x`` itself for 1).
+  JAX refuses an uneven strided slice of an Explicit sharding: auto_axes."""
   if slice_p == 1:
     return x
   if _explicit_axes(x):
@@ -120,11 +58,7 @@ def _slice(x: jax.Array, slice_p: int) -> jax.Array:
 
 
 def _warn_if_narrow(params: Any, first_step: Any) -> None:
-  """Warns when Prodigy steps bfloat16 (or float16) weights directly with a
-  first step ``d0 * lr`` below ``2**-9`` (about half a bf16 ulp of a weight
-  of magnitude 1): the weights do not move, ``<g, x0 - x>`` stays 0 and ``d``
-  never leaves ``d0``, without an error. Inside ``kahan`` it never fires.
-  """
+  """Warns if a first step ``d0 * lr < 2**-9`` cannot move bf16/fp16 weights."""
   narrow = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(params)
                    if validation.is_narrow_float(x.dtype)
                    and not isinstance(x, jax.ShapeDtypeStruct)})
@@ -159,16 +93,28 @@ def scale_by_prodigy(
 ) -> optax.GradientTransformationExtraArgs:
   """Prodigy's step size ``d`` around a preconditioner; returns the final step.
 
-  The returned update is ``-d_k lr_k bc (P_k + weight_decay * x)`` (decoupled
-  decay), ``P_k`` the preconditioner's output (equations: module docstring);
-  for coupled (L2) decay, put ``optax.add_decayed_weights`` before it.
+  With ``d = d_k`` at step ``k`` (prodigyopt 1.1.2; sums over all leaves)::
+
+    bc    = sqrt(1 - b2^(k+1)) / (1 - b1^(k+1))  with bias_correction, else 1
+    dlr   = d * lr_k * bc
+    r    <- b3 r + (d / d0) dlr <g_S, x0_S - x_S>
+    s    <- b3 s + (d / d0) dlr g_S      ((d / d0) d g_S with safeguard_warmup)
+    d^    = d_coef r / sum |s|
+    d     = max(d, d^) if d == d0 else d
+    d_max = max(d_max, d^);  d_{k+1} = min(d_max, d growth_rate)
+    x    <- x - dlr (P_k + lambda x)
+
+  ``S``: every ``slice_p``-th entry of a flattened leaf; ``P_k``: the
+  preconditioner's output. For L2 decay put ``optax.add_decayed_weights``
+  first. As in prodigyopt, a step with ``sum |s| == 0`` is skipped (params,
+  ``d``, ``r``, ``k`` stay; the moments take ``g``; optax.contrib gives NaN)
+  and ``lr == 0`` is a no-op. ``d``, ``d_max``, ``r`` are float32 (float64
+  with float64 params); an all-zero leaf's ``x0`` is a zero slice (0-d in
+  prodigyopt). Schedules see the ``update`` count, bias correction ``k``.
 
   Args:
-    preconditioner: e.g. ``scale_by_second_moment(b1, b2, eps)``,
-      ``scale_by_factored_second_moment(...)``, optionally chained with
-      ``optax.clip_by_block_rms``: any transformation with a per-leaf form
-      (``optax_kahan.per_leaf``). Its ``update`` gets the extra args
-      ``d_ratio`` and ``d_growth``.
+    preconditioner: e.g. ``scale_by_second_moment(b1, b2, eps)``, with a
+      per-leaf form; its ``update`` gets the args ``d_ratio``, ``d_growth``.
     learning_rate: multiplier of ``d`` (1.0 in Prodigy), float or schedule.
     b3: decay of ``r`` and ``s`` (``sqrt(b2)`` in prodigyopt).
     weight_decay: decoupled weight decay ``lambda``.
@@ -177,27 +123,17 @@ def scale_by_prodigy(
     growth_rate: largest growth of ``d`` per step (inf: unbounded).
     slice_p: use every ``slice_p``-th entry of each leaf for ``r`` and ``s``.
     safeguard_warmup: leave ``lr`` out of ``s`` (helps with warm-up schedules).
-    bias_correction: ``(b1, b2)`` to fold Adam's bias correction into ``dlr``,
-      or None.
-    lagged_d: use ``d`` one step late, as a fused backward pass must
-      (``optax_kahan.blockwise``; the contract's "reduce late"): step ``k``
-      uses the ``d_k`` known when it starts, and its sums (kept in a
-      ``LateSums``) are folded into ``d_{k+1}`` at the start of step
-      ``k+1``. The step is ``-dlr (P_k + lambda x)`` with ``d_growth = 1``
-      (``eps d_k`` where Prodigy has ``eps d_{k+1}``; with ``b1 = 0``,
-      ``d_k g`` for ``d_{k+1} g``), never skipped: with ``sum |s| = 0``
-      only ``d``, ``r`` and ``k`` stay.
-    state_dtype: dtype of ``s`` and ``x0`` (e.g. ``jnp.bfloat16``); None
-      follows the params. A bfloat16 ``x0`` is exact when the initial
-      weights are bfloat16 (``kahan`` from zero residuals); from float32
-      weights it is rounded, which shifts ``x0`` by up to half a bfloat16
-      ulp. A bfloat16 ``s`` is rounded to nearest at each step.
+    bias_correction: ``(b1, b2)`` for ``bc``, or None.
+    lagged_d: fold step ``k``'s sums into ``d_{k+1}`` when step ``k+1`` starts
+      (for ``optax_kahan.blockwise``). Then ``d_growth = 1`` (``eps d_k``, and
+      ``d_k g`` if ``b1 = 0``) and ``sum |s| == 0`` keeps only ``d, r, k``.
+    state_dtype: dtype of ``s`` and ``x0`` (e.g. ``jnp.bfloat16``, rounded to
+      nearest; ``x0`` is exact from bf16 weights); None follows the params.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` with a per-leaf form (one
-    round for the sums, none with ``lagged_d``); extra args go on to the
-    preconditioner. Its first update raises a ValueError for a
-    preconditioner with no per-leaf form.
+    A per-leaf ``optax.GradientTransformationExtraArgs`` (one round; none
+    with ``lagged_d``); ValueError at the first update if the preconditioner
+    has no per-leaf form. Extra args go to the preconditioner.
 
   Example:
     >>> tx = scale_by_prodigy(scale_by_second_moment(0.9, 0.999, 1e-8))
@@ -249,7 +185,6 @@ def scale_by_prodigy(
 
 
 class _Hyper(NamedTuple):
-  """``scale_by_prodigy``'s arguments."""
   learning_rate: optax.ScalarOrSchedule
   b3: float
   weight_decay: float
@@ -351,9 +286,7 @@ def _finish(hp: _Hyper, state: ScaleByProdigyState, step: _Step,
 def _stages(hp: _Hyper, preconditioner: optax.GradientTransformationExtraArgs,
             updates: Any, state: ScaleByProdigyState, params: Any,
             **extra_args: Any) -> per_leaf.LeafStages:
-  """Prodigy's step as per-leaf stages: one round (the sums), then the
-  preconditioner and the step; with ``lagged_d``, no round, the sums made
-  beside the update and folded in at the next step."""
+  """Prodigy's step as per-leaf stages: one round (the sums), none lagged."""
   if params is None:
     raise ValueError("scale_by_prodigy needs params: "
                      "tx.update(grads, state, params)")
@@ -411,8 +344,7 @@ def _statistics(g, x, x0, s, *, slice_p, b3, s_weight, dtype):
 
 
 def _next_d(state, numerator, denom, *, d0, d_coef, growth_rate) -> "_Shared":
-  """``d_{k+1}``, ``d_max``, ``r`` and ``skip`` from the new ``r`` and
-  ``sum |s|``; all unchanged (``skip``) when ``sum |s| == 0``."""
+  """``d_{k+1}``, ``d_max``, ``r`` and ``skip`` (``sum |s| == 0``: all kept)."""
   skip = denom == 0
   d = state.d
   d_hat = d_coef * numerator / jnp.where(skip, 1, denom)
@@ -435,11 +367,8 @@ class _Shared(NamedTuple):
 
 
 def prodigy_d(opt_state: optax.OptState) -> jax.Array:
-  """The current ``d`` of the (first) Prodigy estimator in ``opt_state``.
-
-  Works through ``optax.chain``, ``kahan``, ``optax.inject_hyperparams``,
-  ``optax.MultiSteps`` and other wrappers; useful for logging the effective
-  learning rate ``d * lr``.
+  """The current ``d`` of the (first) Prodigy estimator in ``opt_state``
+  (through ``kahan``, ``optax.chain`` and other wrappers), for logging.
 
   Raises:
     ValueError: if the state holds no ``ScaleByProdigyState``.

@@ -1,23 +1,13 @@
 """StableAdamW's update clipping: the per-leaf step shrinks when g^2 outruns v.
 
-AdamW's second moment ``v`` lags behind a sudden rise of the gradient; the step
-``m / sqrt(v)`` then spikes (the loss spikes of large-scale training). Wortsman
-et al. divide each leaf's learning rate, weight decay included, by::
-
-    RMS_t = sqrt(mean(g_t^2 / max(v^_t, eps^2)))
-    step  = (m^_t / (sqrt(v^_t) + eps) + lambda x) / max(1, RMS_t)
-
-with ``v^`` the bias-corrected second moment after this step's update. The
-weight decay is inside the clipped step, so this transformation owns it (an
-``optax.add_decayed_weights`` after it would not be clipped).
+When ``v`` lags a sudden rise of the gradient, ``m / sqrt(v)`` spikes; the
+clip (``scale_by_stable_adamw``) covers the weight decay too, so it owns it.
 
 References:
   Wortsman et al., "Stable and low-precision training for large-scale
   vision-language models", NeurIPS 2023 (arXiv:2304.13013), Algorithm 2.
   torch-optimi 0.3.3, ``optimi.StableAdamW``.
 """
-
-from __future__ import annotations
 
 from typing import NamedTuple
 
@@ -57,8 +47,7 @@ def scale_by_stable_adamw(
     weight_decay: decoupled weight decay ``lambda`` (scaled with the step).
 
   Returns:
-    An ``optax.GradientTransformation`` giving the direction; chain
-    ``optax.scale_by_learning_rate`` after it (as ``stable_adamw`` does).
+    The direction, an ``optax.GradientTransformation``; chain a learning rate.
 
   Example:
     >>> tx = optax.chain(scale_by_stable_adamw(), optax.scale_by_learning_rate(1e-3))
@@ -80,7 +69,7 @@ def scale_by_stable_adamw(
     validation.check_state("scale_by_stable_adamw", state,
                            ScaleByStableAdamWState)
     direction, moments = adam.update(updates, state.moments, params)
-    # A reciprocal multiplied in, as in scale_by_second_moment.
+    # Reciprocal multiplied in, as in scale_by_second_moment.
     r2 = 1 / (1 - jnp.asarray(b2, jnp.float32)**moments.count.astype(
         jnp.float32))
 

@@ -1,24 +1,11 @@
-"""Stochastic rounding to bfloat16: the baseline Kahan updates are compared with.
+"""Stochastic rounding to bfloat16 (the baseline), on the magnitude's bits::
 
-A float32 ``x`` lies between two neighbouring bfloat16 values ``a <= x < b``.
-Stochastic rounding returns ``b`` with probability ``(x - a) / (b - a)`` and
-``a`` otherwise, so ``E[round(x)] = x``: small updates survive on average,
-at the price of noise of up to one bfloat16 ulp per step. It needs no extra
-memory. On the bit pattern this is::
-
-    r    ~ uniform 16-bit integer
-    bits = (bits(x) + r) & 0xFFFF0000
-
-acting on the magnitude (sign-magnitude format), so it is unbiased for both
-signs. NaN stays NaN and +-Inf stay; a finite value becomes Inf only when it is
-beyond the largest bfloat16 (3.3895e38).
+    bits = (bits(x) + r) & 0xFFFF0000,    r ~ uniform 16-bit integer
 
 References:
   Gupta et al., "Deep Learning with Limited Numerical Precision", ICML 2015.
   Zamirai et al., "Revisiting BFloat16 Training", arXiv:2010.06192, 2020.
 """
-
-from __future__ import annotations
 
 from typing import Any, NamedTuple
 
@@ -28,22 +15,20 @@ import optax
 from jax import lax
 
 from optax_kahan._src import validation
-from optax_kahan._src.leaves import landing_delta
-from optax_kahan._src.leaves import leaves_like
-from optax_kahan._src.leaves import map_leaves
-from optax_kahan._src.leaves import needs_residual
-from optax_kahan._src.leaves import upcast
+from optax_kahan._src import leaves
 
 
 def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
-  """Rounds float32 ``x`` to bfloat16 stochastically (unbiased).
+  """Rounds float32 ``x`` to bfloat16 stochastically, without bias.
 
   Args:
     x: a float32 array.
     key: a JAX PRNG key.
 
   Returns:
-    A bfloat16 array, each element one of the two bfloat16 neighbours of ``x``.
+    A bfloat16 array, each element one of the two bfloat16 neighbours of ``x``
+    (``E[y] = x``). NaN and +-Inf stay; finite values become Inf only beyond
+    the largest bfloat16, 3.3895e38.
 
   Example:
     >>> y = stochastic_round(jnp.full(4, 1.0 + 2**-10), jax.random.key(0))
@@ -61,37 +46,33 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
 
 def _leaf_keys(key: jax.Array, tree: Any) -> Any:
   """One independent key per leaf of ``tree`` (None leaves included)."""
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
-  keys = [jax.random.fold_in(key, i) for i in range(len(leaves))]
+  flat, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
+  keys = [jax.random.fold_in(key, i) for i in range(len(flat))]
   return jax.tree.unflatten(treedef, keys)
 
 
-def stochastic_round_apply_updates(
-    params: Any, updates: Any, key: jax.Array
-) -> Any:
+def stochastic_round_apply_updates(params: Any, updates: Any,
+                                   key: jax.Array) -> Any:
   """``p <- stochastic_round(float32(p) + u)`` for bfloat16 leaves.
 
-  float32/float64 leaves are updated as ``p + u``; other dtypes raise.
-
   Args:
-    params: a tree of bfloat16 (and optionally float32/float64) arrays.
+    params: a tree of bfloat16 arrays; float32/float64 leaves get ``p + u``,
+      other dtypes raise.
     updates: a tree like ``params``.
     key: a PRNG key; use a fresh one every step.
 
   Returns:
     The new params, with the params' dtypes.
   """
-
   def apply_leaf(path, p, u, k):
     if p is None:
       return None
-    if not needs_residual(p, path):
+    if not leaves.needs_residual(p, path):
       return (p + u).astype(p.dtype)
     return stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), k)
-
   validation.check_key("stochastic_round_apply_updates", key)
-  leaves_like(params, updates, "updates")  # names where the trees differ
-  return map_leaves(apply_leaf, params, updates, _leaf_keys(key, params))
+  leaves.leaves_like(params, updates, "updates")  # names where the trees differ
+  return leaves.map_leaves(apply_leaf, params, updates, _leaf_keys(key, params))
 
 
 class StochasticRoundingState(NamedTuple):
@@ -100,17 +81,13 @@ class StochasticRoundingState(NamedTuple):
   inner_state: optax.OptState
 
 
-def stochastic_rounding(
-    inner: optax.GradientTransformation, key: jax.Array
-) -> optax.GradientTransformationExtraArgs:
-  """Wraps ``inner`` so that bfloat16 params are updated with stochastic rounding.
+def stochastic_rounding(inner: optax.GradientTransformation, key: jax.Array
+                        ) -> optax.GradientTransformationExtraArgs:
+  """Wraps ``inner`` to update bfloat16 params with stochastic rounding.
 
-  Same float32 semantics as ``kahan``: ``inner`` sees float32 params and
-  gradients, and the returned updates are float32 deltas
-  ``float32(p') - float32(p)`` so that ``optax.apply_updates`` lands exactly on
-  ``p' = stochastic_round(float32(p) + u)``. The key of step ``t`` is
-  ``fold_in(key, t)``: the same on every device, and a resumed run draws the
-  same bits as an uninterrupted one.
+  As under ``kahan``, ``inner`` sees float32 params and gradients, and
+  ``optax.apply_updates`` lands on ``stochastic_round(float32(p) + u)``. Step
+  ``t`` uses ``fold_in(key, t)``: the same on every device and on resuming.
 
   Args:
     inner: any optax transformation.
@@ -125,33 +102,28 @@ def stochastic_rounding(
   validation.check_transformation("stochastic_rounding", "inner", inner)
   validation.check_key("stochastic_rounding", key)
   inner = optax.with_extra_args_support(inner)
-
   def init_fn(params):
     if validation.is_abstract(params):
       return jax.eval_shape(init_fn, params)
-    map_leaves(lambda path, p: needs_residual(p, path), params)
+    leaves.map_leaves(lambda path, p: leaves.needs_residual(p, path), params)
     return StochasticRoundingState(
-        jnp.zeros([], jnp.int32), inner.init(upcast(params)))
-
+        jnp.zeros([], jnp.int32), inner.init(leaves.upcast(params)))
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError("stochastic_rounding(...).update needs params")
-    x32 = upcast(params)
-    g32 = upcast(updates)
+    x32 = leaves.upcast(params)
+    g32 = leaves.upcast(updates)
     u, inner_state = inner.update(g32, state.inner_state, x32, **extra_args)
     keys = _leaf_keys(jax.random.fold_in(key, state.count), params)
-
     def step_leaf(path, p, u, k):
       if p is None or u is None:
         return None
-      if not needs_residual(p, path):
+      if not leaves.needs_residual(p, path):
         return u
       hi = stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), k)
-      return landing_delta(p, hi)
-
-    deltas = map_leaves(step_leaf, params, u, keys)
+      return leaves.landing_delta(p, hi)
+    deltas = leaves.map_leaves(step_leaf, params, u, keys)
     count = optax.safe_increment(state.count)
     return deltas, StochasticRoundingState(count, inner_state)
-
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -1,41 +1,25 @@
 """The per-leaf form of any transformation, cut from its own whole-tree program.
 
-``tx.update`` is traced once on the whole tree (``jax.make_jaxpr``, nothing
-runs), so that everything it decides in Python from the tree (masks and
-labels, callables of the params tree included; key paths; the number of
-leaves a random key is split into) is decided as it always is. Each value of
-that program is labelled with the leaves it reads::
+``tx.update`` is traced once on the whole tree (``jax.make_jaxpr``), so that
+what it decides in Python from the tree (masks, labels, key paths, key
+splits) is decided as always. Each value is labelled with the leaves it
+reads::
 
   L(g_i) = L(x_i) = {i};  L(state, consts, extra args) = {}
   L(out)  = union of L(in)                   for an equation's outputs
   L(out)  = {}, out shared ("global")        when that union has two leaves
 
-A global value (a norm, a count of non-finite entries, Prodigy's sums) must be
-small; it is computed between passes from the per-leaf values it reads
-(``Round``), at a level one above theirs. Leaf ``i``'s row in a pass then
-evaluates the equations its targets need, stopping at the inputs and at the
-globals already computed: the program's own equations, bound again in order,
-with no other leaf's input in reach. Every output is the whole-tree program's
-output, computed by the same equations; XLA compiles the rows as it compiles
-any program, so against a separately compiled whole-tree program a row can
-differ in the last bit where XLA fuses differently.
-
-Nothing is recognised by name: an equation is followed through its inputs
-and outputs. One with an inner program is a unit whose outputs read all its
-inputs, except a call whose operands come from two leaves (a ``jit`` of a
-function over the tree: its one inner program takes its operands and gives
-its results, type for type), which is inlined. A state entry that reads no
-leaf goes in the row of the leaf at whose path it sits (a moment that leaf
-does not use, passed through), or else is computed once after the rows.
-What cannot be cut is refused with the reason: an equation with effects, or
-two leaves meeting in a value of more than ``MAX_SHARED`` elements (a
-``lax.cond`` choosing a large leaf by another leaf's sum).
+A global value (a norm, Prodigy's sums) is computed between passes
+(``Round``); leaf ``i``'s row binds again, in order, the program's own
+equations its targets need, with no other leaf's input in reach. Nothing is
+recognised by name. A call whose operands come from two leaves (a ``jit``
+over the tree) is inlined; any other equation with an inner program is a
+unit. Refused, with the reason: effects, or two leaves meeting in a value of
+more than ``MAX_SHARED`` elements. See docs/guides/per_leaf.md.
 
 References:
   JAX, "Understanding Jaxprs" and "Writing custom Jaxpr interpreters".
 """
-
-from __future__ import annotations
 
 import contextlib
 import dataclasses
@@ -51,11 +35,9 @@ import optax
 
 from optax_kahan._src import per_leaf
 
-# The most elements a value two leaves share may have: it is computed between
-# the passes, outside every row.
+# The most elements of a value two leaves share (computed between passes),
+# and of one that continues a shared one (the rest of a sum over the leaves).
 MAX_SHARED = 1 << 14
-# The most elements of a value that continues a shared one (the partial sums
-# after the first two leaves meet).
 MAX_CARRIED = 64
 
 
@@ -63,8 +45,7 @@ MAX_CARRIED = 64
                    data_fields=["values"], meta_fields=["index"])
 @dataclasses.dataclass(frozen=True)
 class Cut:
-  """Leaf ``index``'s part of a traced transformation's state: the state
-  arrays its rows read (before the update) or write (after it)."""
+  """Leaf ``index``'s part of a traced transformation's state."""
   values: tuple[Any, ...]
   index: int
 
@@ -85,8 +66,7 @@ def _abstract(x: Any) -> Any:
 
 
 def _value_text(x: Any) -> str:
-  """A constant as text: dtype, shape and every value (a traced one, which
-  has none yet, by identity)."""
+  """A constant as text: dtype, shape, values (a traced one by identity)."""
   try:
     a = np.asarray(x)
   except Exception:  # pylint: disable=broad-except
@@ -95,8 +75,7 @@ def _value_text(x: Any) -> str:
 
 
 def _params_text(params: dict[str, Any]) -> str:
-  """An equation's parameters as text, inner jaxprs printed, arrays by
-  value, and no object addresses (a function is its name)."""
+  """An equation's parameters as text, with no object addresses."""
   def text(v):
     if isinstance(v, (np.ndarray, jax.Array)):
       return _value_text(v)
@@ -138,13 +117,10 @@ def _carries_code(value: Any) -> bool:
 
 
 def _call_body(eqn: Any) -> Optional[tuple[Any, list[Any]]]:
-  """The body of a call: an equation whose one inner program takes its
-  operands and gives its results, type for type (a ``jit`` of a function
-  over the tree); None for anything else (a ``cond``'s branches, a
-  ``scan``'s sliced body), and for a call whose parameters hold code beside
-  its body (a custom differentiation rule, ``jax.custom_jvp`` /
-  ``custom_vjp``): inlined, its body would be differentiated in place of
-  the rule, so it stays one equation."""
+  """The body of a call whose one inner program takes its operands and gives
+  its results, type for type (a ``jit``); None for anything else, and for a
+  call whose parameters hold code (a custom derivative rule, which inlining
+  would bypass)."""
   bodies = [v for v in eqn.params.values()
             if isinstance(v, (jex.core.Jaxpr, jex.core.ClosedJaxpr))]
   if len(bodies) != 1 or any(map(_carries_code, eqn.params.values())):
@@ -179,11 +155,7 @@ class _Program:
     self.paths = paths
 
   def label(self) -> str:
-    """Labels every value and checks the cut; the reason it fails or "".
-
-    A call whose operands come from two leaves (optax's ``jit`` of a
-    function over the tree) is inlined: its body's equations take its place,
-    so that each leaf's part of it can go into that leaf's row."""
+    """Labels every value and checks the cut; the reason it fails or ""."""
     self.labels, self.levels = {}, {}
     for i in range(self.n):
       self.labels[self.grads[i]] = frozenset([i])
@@ -244,8 +216,7 @@ class _Program:
 
   def _one(self, eqn: "_Eqn", ins: frozenset) -> str:
     """Labels one equation's outputs; a value two leaves meet in, or a small
-    value carrying a shared one on (the rest of a sum over the leaves, in
-    the program's order), is shared: computed between passes."""
+    one carrying a shared one on, is shared (computed between passes)."""
     shared = len(ins) > 1 or (
         ins and any(v in self._is_global for v in eqn.invars
                     if not _is_literal(v))
@@ -268,10 +239,9 @@ class _Program:
     return ""
 
   def plan(self, out_paths: list[str]) -> None:
-    """Each pass's targets and equations per leaf: pass ``k < passes``
-    computes the per-leaf values that level ``k + 1``'s shared values read;
-    the last one, each leaf's update and its own entries of the new state
-    (``out_paths``: the new state's paths)."""
+    """Each pass's targets and equations per leaf: pass ``k < passes`` the
+    values level ``k + 1``'s shared ones read; the last, each leaf's update
+    and its entries of the new state (at ``out_paths``)."""
     n, outs = self.n, self.outs[self.n:]
     own = lambda v: (not _is_literal(v) and len(self.labels.get(v, ())) == 1)
     self.stats = []
@@ -285,8 +255,7 @@ class _Program:
       self.stats.append(per)
     self.mine = [[j for j, v in enumerate(outs)
                   if own(v) and self.labels[v] == {i}] for i in range(n)]
-    # An entry that reads no leaf but sits at a leaf's path in the state (a
-    # moment a leaf does not use, passed through) goes in that leaf's row.
+    # An entry that reads no leaf goes in the row of the leaf at its path.
     shared = set(self.globals)
     for j, (v, path) in enumerate(zip(outs, out_paths)):
       if own(v) or _is_literal(v) or v in shared:
@@ -339,11 +308,9 @@ class _Program:
                  if not isinstance(v, _DROP))
 
   def row_key(self, i: int) -> str:
-    """Leaf ``i``'s last-pass row as text: its equations (primitive,
-    parameters, operands), operands named by role (its gradient, its param,
-    a state entry by its path with the leaf's path taken out, an extra
-    argument, a constant by value), and its targets. Equal texts are equal
-    programs on equal inputs."""
+    """Leaf ``i``'s last-pass row as text, operands named by role (gradient,
+    param, state path without the leaf's, extra argument, constant by value):
+    equal texts are equal programs on equal inputs."""
     eqn_ids, _ = self.plans[-1][i]
     where = {}
     leaf = self.paths[i]
@@ -384,28 +351,17 @@ class _Program:
 def stages(tx: optax.GradientTransformationExtraArgs, updates: Any,
            state: Any, params: Any, **extra_args: Any
            ) -> Union[per_leaf.LeafStages, str]:
-  """``tx``'s stages cut from its whole-tree update, or why it cannot be cut.
-
-  Args:
-    tx: any gradient transformation (with extra-args support).
-    updates: the gradients (arrays or ``jax.ShapeDtypeStruct`` s).
-    state: ``tx``'s state (arrays: the shared outputs are computed from it).
-    params: the params (arrays, abstract, or None).
-    **extra_args: the extra arguments of the update; the rows read the
-      values given to them, which may differ.
-
-  Returns:
-    A ``per_leaf.LeafStages`` (its rounds are the levels of the shared
-    values; its leaf states are ``Cut`` s), or the reason.
-  """
+  """``tx``'s stages cut from its whole-tree update (rounds: the levels of
+  the shared values; leaf states: ``Cut`` s), or why it cannot be cut. The
+  shared values are computed from ``state``; ``updates`` and ``params`` may
+  be abstract; the rows read the extra arguments they are given."""
   traced = _trace(tx, updates, state, params, extra_args)
   return traced if isinstance(traced, str) else _cut(*traced)
 
 
 def _trace(tx: optax.GradientTransformationExtraArgs, updates: Any,
            state: Any, params: Any, extra_args: dict[str, Any]) -> Any:
-  """``tx.update`` traced on abstract arguments and labelled (``_Program``),
-  with what ``_cut`` needs; or the reason it cannot be cut."""
+  """``tx.update`` traced and labelled, with what ``_cut`` needs; or why not."""
   grads, treedef = jax.tree.flatten(updates)
   n = len(grads)
   paths = [jax.tree_util.keystr(p) or "<root>" for p, _ in
@@ -515,22 +471,8 @@ def _cut(prog: _Program, state: list[Any], arrays: list[Any], new_def: Any,
 def stages_of(tx: optax.GradientTransformation, updates: Any, state: Any,
               params: Any, **extra_args: Any
               ) -> tuple[Optional[per_leaf.LeafStages], str]:
-  """``tx``'s stages for these arguments, or None and the reason.
-
-  Declared stages (a transformation built with
-  ``per_leaf.transformation``), else the stages cut from ``tx``'s own
-  whole-tree update (``stages``).
-
-  Args:
-    tx: a gradient transformation.
-    updates: the gradients (arrays or ``jax.ShapeDtypeStruct`` s).
-    state: ``tx``'s state.
-    params: the params (arrays, abstract, or None).
-    **extra_args: the extra arguments its update will get.
-
-  Returns:
-    ``(stages, "")`` or ``(None, reason)``.
-  """
+  """``(stages, "")``: ``tx``'s declared stages, else those cut from its
+  update (``stages``); or ``(None, reason)``."""
   if isinstance(getattr(tx, "update", None), per_leaf.PerLeafUpdate):
     st = tx.update.stages(updates, state, params, **extra_args)
   else:
@@ -540,9 +482,7 @@ def stages_of(tx: optax.GradientTransformation, updates: Any, state: Any,
 
 
 def _parts(tx: optax.GradientTransformation) -> list[Any]:
-  """The transformations whose programs run in ``tx``'s rows: ``tx``, or
-  for a declared one (``per_leaf.transformation``) its parts' (none for
-  one whose stages are all its own, as Prodigy's estimator)."""
+  """The traced transformations whose programs run in ``tx``'s rows."""
   update = getattr(tx, "update", None)
   if isinstance(update, per_leaf.PerLeafUpdate):
     return [p for part in update.parts for p in _parts(part)]
@@ -550,8 +490,7 @@ def _parts(tx: optax.GradientTransformation) -> list[Any]:
 
 
 def _rows(tx: Any, tree: Any) -> Union[_Program, str]:
-  """``tx``'s labelled program on the abstract params ``tree`` (as
-  gradients and params, with the state ``tx.init`` gives it)."""
+  """``tx``'s labelled program on the abstract params ``tree``."""
   tx = optax.with_extra_args_support(tx)
   try:
     state = jax.eval_shape(tx.init, tree)
@@ -574,20 +513,10 @@ def same_rows(tx: optax.GradientTransformation, whole: Any,
   """Why ``tx`` applied to each group of leaves on its own does not give
   every leaf the update ``tx`` gives it on the whole tree; "" if it does.
 
-  For each part of ``tx`` that is traced (not declared by this package):
-  its program on ``whole`` and on each group must hold no sum over the
-  leaves, and each leaf's row must be the same program (``row_key``) in
-  both. A mask or label computed from the tree, a key split over its
-  leaves, a global norm: each makes the rows differ, or sums.
-
-  Args:
-    tx: the transformation.
-    whole: the whole params tree (abstract: ``jax.ShapeDtypeStruct`` s).
-    groups: each group's params tree (abstract) and the indices of its
-      leaves among ``whole``'s.
-
-  Returns:
-    The reason, naming the part's leaf, or "".
+  Each traced part of ``tx`` must hold no sum over the leaves, and give
+  each leaf the same row (``row_key``) on its group as on ``whole``.
+  ``groups``: each group's (abstract) params tree and the indices of its
+  leaves among ``whole``'s. The reason names the leaf.
   """
   paths = [jax.tree_util.keystr(p) for p, _ in
            jax.tree_util.tree_flatten_with_path(whole)[0]]

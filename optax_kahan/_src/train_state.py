@@ -1,16 +1,8 @@
-"""A Flax ``TrainState`` of bf16 params started from float32 weights, in a call.
-
-``TrainState.create`` calls ``tx.init(params)``, which starts the residuals at
-zero: the low 16 bits of every pretrained float32 weight are lost.
-``kahan_train_state`` splits the float32 weights instead (``params, residuals
-= kahan_from_float32(params_f32)``, then ``tx.init(params, residuals)``), so
-the exact weights survive and the inner optimizer starts from them too.
+"""A Flax ``TrainState`` of bf16 params started from float32 weights.
 
 References:
   Flax, ``flax.training.train_state.TrainState``.
 """
-
-from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
@@ -24,20 +16,18 @@ from optax_kahan._src.placement import commit_with
 
 
 def kahan_train_state(
-    params_f32: Any,
-    tx: optax.GradientTransformation,
-    *,
-    apply_fn: Callable[..., Any],
-    rounding: Rounding = "nearest",
+    params_f32: Any, tx: optax.GradientTransformation, *,
+    apply_fn: Callable[..., Any], rounding: Rounding = "nearest",
     offload: bool = True,
-    state_class: Optional[type[train_state.TrainState]] = None,
-    **kwargs: Any,
+    state_class: Optional[type[train_state.TrainState]] = None, **kwargs: Any,
 ) -> train_state.TrainState:
   """A ``TrainState`` of bf16 params whose ``kahan`` state keeps float32 bits.
 
+  Unlike ``TrainState.create``, keeps the weights' low 16 bits: the residuals
+  from ``kahan_from_float32`` go to ``tx.init``.
+
   Args:
-    params_f32: the pretrained float32 weights (float64 leaves are kept as
-      they are, with no residual).
+    params_f32: the float32 weights (float64 leaves get no residual).
     tx: a ``kahan(...)`` transformation (its ``init`` takes the residuals).
     apply_fn: the model's apply function, as in ``TrainState.create``.
     rounding: the ``rounding`` that ``tx`` was made with.
@@ -46,10 +36,8 @@ def kahan_train_state(
     **kwargs: further fields of ``state_class``.
 
   Returns:
-    ``state_class(step, apply_fn, params=bf16 params, tx,
-    opt_state=tx.init(params, residuals), **kwargs)``, with ``step`` an
-    int32 zero committed where the params are, so that the jitted step
-    compiles once.
+    The ``state_class`` instance, its int32 ``step`` committed where the
+    params are so that the jitted step compiles once.
 
   Raises:
     TypeError: if ``tx.init`` does not take residuals (``tx`` is not
@@ -57,10 +45,6 @@ def kahan_train_state(
 
   Example:
     >>> import flax.linen as nn
-    >>> import jax
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import optax_kahan as ok
     >>> model = nn.Dense(3)
     >>> params_f32 = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
     >>> state = ok.kahan_train_state(params_f32, ok.kahan(optax.adamw(1e-5)),
@@ -75,8 +59,6 @@ def kahan_train_state(
         "kahan_train_state needs tx = kahan(...), whose init takes the "
         f"residuals ({e}); put the whole pipeline inside kahan") from e
   state_class = state_class or train_state.TrainState
-  # The step count is committed where the params are, as the opt_state is:
-  # an uncommitted count would make the jitted step compile twice.
   step = commit_with(jnp.zeros((), jnp.int32), params, "kahan_train_state")
   return state_class(step=step, apply_fn=apply_fn, params=params, tx=tx,
                      opt_state=opt_state, **kwargs)

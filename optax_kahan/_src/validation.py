@@ -1,13 +1,4 @@
-"""Argument, state and tree checks whose errors name the culprit.
-
-Every check raises (or warns) with the name of the argument or the path of the
-leaf at fault, so that a mistake in a 1,000-leaf model is found in one read.
-Every warning of the package is an ``OptaxKahanWarning``, so that a test suite
-or a training script can turn them into errors
-(``warnings.simplefilter("error", OptaxKahanWarning)``).
-"""
-
-from __future__ import annotations
+"""Argument, state and tree checks whose errors name the argument or leaf."""
 
 import math
 import warnings
@@ -18,14 +9,14 @@ import jax.numpy as jnp
 
 
 class OptaxKahanWarning(UserWarning):
-  """A warning of optax_kahan: a run that works, but not as the user meant
-  (a second compilation, a stall, residuals in the wrong memory, a step that
-  runs on the whole tree)."""
+  """A warning of optax_kahan: a run that works, but not as meant (a second
+  compilation, residuals in the wrong memory, a step on the whole tree); make
+  it an error with ``warnings.simplefilter("error", OptaxKahanWarning)``."""
 
 
 def warn(message: str, stacklevel: int) -> None:
-  """``warnings.warn`` with the package's category (``stacklevel`` counts
-  from the caller of ``warn``)."""
+  """``warnings.warn`` as an ``OptaxKahanWarning``; ``stacklevel`` counts
+  from ``warn``'s caller."""
   warnings.warn(message, OptaxKahanWarning, stacklevel=stacklevel + 1)
 
 
@@ -51,19 +42,12 @@ def check_positive(name: str, value: Any, allow_zero: bool = False) -> None:
 
 
 def is_narrow_float(dtype: Any) -> bool:
-  """True for floating dtypes narrower than float32 (bfloat16, float16)."""
-  return (jnp.issubdtype(dtype, jnp.floating)
-          and jnp.finfo(dtype).bits < 32)
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
 def warn_low_precision_hyperparams(where: str, **hyperparams: Any) -> None:
-  """Warns for each hyperparameter that arrives narrower than float32.
-
-  That happens under ``optax.inject_hyperparams`` without
-  ``hyperparam_dtype=jnp.float32`` on bfloat16 or float16 params: the
-  hyperparameters are cast to the params' dtype, and in bfloat16
-  ``0.999 == 1.0``, ``0.9999 == 1.0``, ``1e-8`` keeps three digits.
-  """
+  """Warns for each hyperparameter narrower than float32 (as
+  ``optax.inject_hyperparams`` casts them to bf16 params' dtype)."""
   for name, value in hyperparams.items():
     dtype = getattr(value, "dtype", None)
     if dtype is not None and is_narrow_float(dtype):
@@ -75,9 +59,6 @@ def warn_low_precision_hyperparams(where: str, **hyperparams: Any) -> None:
 
 
 def check_transformation(where: str, name: str, tx: Any) -> None:
-  """Raises TypeError unless ``tx`` is an optax transformation (has ``init``
-  and ``update``), suggesting the call a factory such as ``optax.adamw``
-  needs."""
   if callable(getattr(tx, "init", None)) and callable(
       getattr(tx, "update", None)):
     return
@@ -88,13 +69,11 @@ def check_transformation(where: str, name: str, tx: Any) -> None:
 
 
 def check_bool(where: str, name: str, value: Any) -> None:
-  """Raises TypeError unless ``value`` is a Python bool."""
   if not isinstance(value, bool):
     raise TypeError(f"{where}: {name} must be True or False, got {value!r}")
 
 
 def check_float_dtype(name: str, dtype: Any) -> None:
-  """Raises TypeError unless ``dtype`` is None or a floating dtype."""
   if dtype is None:
     return
   try:
@@ -107,8 +86,7 @@ def check_float_dtype(name: str, dtype: Any) -> None:
 
 
 def check_key(where: str, key: Any) -> None:
-  """Raises TypeError unless ``key`` is a JAX PRNG key: a typed key
-  (``jax.random.key``) or a raw ``uint32[2]`` one (``jax.random.PRNGKey``)."""
+  """Raises TypeError unless ``key`` is a typed or ``uint32[2]`` PRNG key."""
   dtype = getattr(key, "dtype", None)
   if dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.prng_key) or (
       dtype == jnp.uint32 and jnp.shape(key)[-1:] == (2,))):
@@ -130,7 +108,6 @@ def check_real(where: str, params: Any) -> None:
 
 
 def check_state(where: str, state: Any, state_type: type) -> None:
-  """Raises TypeError unless ``state`` is a ``state_type`` (what init made)."""
   if not isinstance(state, state_type):
     raise TypeError(
         f"{where}.update got a state of type {type(state).__name__}, expected "
@@ -141,13 +118,8 @@ def check_state(where: str, state: Any, state_type: type) -> None:
 def tree_mismatch(a: Any, b: Any, *, names: tuple[str, str] = ("a", "b"),
                   is_leaf: Optional[Callable[[Any], bool]] = None
                   ) -> Optional[str]:
-  """Where two trees first differ, in one line, or None if they match.
-
-  Names the first differing key path, and what each tree has there: the node
-  type and its keys (a ``FrozenDict`` against a ``dict``, a missing key), or a
-  leaf against a node.
-  """
-
+  """The first differing key path and what each tree has there (node type
+  and keys, or a leaf), in one line; None if the trees match."""
   def children(node):
     # (key path, child) pairs one level down, or None for a leaf.
     if node is None or (is_leaf is not None and is_leaf(node)):
@@ -155,7 +127,6 @@ def tree_mismatch(a: Any, b: Any, *, names: tuple[str, str] = ("a", "b"),
     flat = jax.tree_util.tree_flatten_with_path(
         node, is_leaf=lambda x: x is not node)[0]
     return None if len(flat) == 1 and not flat[0][0] else flat
-
   def describe(node) -> str:
     kids = children(node)
     if node is None:
@@ -167,7 +138,6 @@ def tree_mismatch(a: Any, b: Any, *, names: tuple[str, str] = ("a", "b"),
     keys = [jax.tree_util.keystr(k) for k, _ in kids]
     shown = ", ".join(keys[:6]) + (", ..." if len(keys) > 6 else "")
     return f"a {type(node).__name__} with {shown}"
-
   def walk(x, y, path: str) -> Optional[str]:
     kx, ky = children(x), children(y)
     if kx is None and ky is None:
@@ -181,20 +151,17 @@ def tree_mismatch(a: Any, b: Any, *, names: tuple[str, str] = ("a", "b"),
       if found:
         return found
     return None
-
   return walk(a, b, "")
 
 
 def is_abstract(tree: Any) -> bool:
-  """True when ``tree`` has ``jax.ShapeDtypeStruct`` leaves: ``init``
-  functions then return ``jax.eval_shape(init, tree)`` (the state's shapes,
-  dtypes and shardings, as optax's own optimizers do)."""
+  """True when ``tree`` has ``jax.ShapeDtypeStruct`` leaves (``init`` then
+  returns ``jax.eval_shape(init, tree)``, as optax's optimizers do)."""
   return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
 def is_static_zero(value: Any) -> bool:
-  """True for a Python 0 or a concrete (not traced) array equal to 0 (a
-  ``b1=0`` that ``optax.inject_hyperparams`` made an array, outside jit)."""
+  """True for a Python 0 or a concrete array equal to 0 (an injected ``b1``)."""
   if isinstance(value, (int, float)):
     return value == 0
   if isinstance(value, jax.core.Tracer):

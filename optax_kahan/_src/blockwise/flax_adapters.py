@@ -1,12 +1,4 @@
-"""Flax models as the parts of a ``BlockwiseModel``: NNX modules and linen.
-
-``nnx_blockwise`` splits NNX modules into pure functions and their
-``nnx.Param`` state; ``linen_apply`` wraps a linen module's ``apply``. A
-stack is a module whose params carry a leading block axis (``nnx.vmap`` over
-a block's constructor, or ``nn.scan`` with ``variable_axes={"params": 0}``).
-"""
-
-from __future__ import annotations
+"""Flax models (NNX modules, linen) as the parts of a ``BlockwiseModel``."""
 
 from typing import Any, Callable, Optional, Sequence
 
@@ -34,7 +26,6 @@ def _split_module(module: nnx.Module, what: str
 
   def fn(params: Any, *args: Any) -> Any:
     return nnx.merge(graphdef, params)(*args)
-
   return fn, params
 
 
@@ -44,12 +35,8 @@ def nnx_blockwise(
 ) -> tuple[BlockwiseModel, BlockwiseParams]:
   """A Flax NNX model's parts as a ``BlockwiseModel`` and its params.
 
-  ``embed(batch) -> (carry, consts)``, each stacked module's block
-  ``block(carry, consts) -> carry`` and ``head(carry, consts, batch) -> loss``
-  are the modules' ``__call__``. A stack is one module whose ``nnx.Param``
-  leaves have a leading block axis (``nnx.vmap`` over a block's constructor,
-  the layout ``nnx.scan`` runs). Write the trained params back with
-  ``nnx.update(module, params.embed)`` and so on.
+  The parts are the modules' ``__call__``; a stack's ``nnx.Param`` leaves have
+  a leading block axis (``nnx.vmap``). Write params back with ``nnx.update``.
 
   Args:
     embed: the embedding module.
@@ -58,12 +45,10 @@ def nnx_blockwise(
     transitions: the model's ``transitions`` (functions without weights).
 
   Returns:
-    ``(model, params)`` for ``blockwise_step``; the params are the modules'
-    ``nnx.State`` of ``nnx.Param``.
+    ``(model, params)``, the params the modules' ``nnx.Param`` state.
 
   Raises:
-    ValueError: if a module holds state other than ``nnx.Param`` (batch
-      statistics, RNG counters), which the step would not carry.
+    ValueError: if a module holds state other than ``nnx.Param`` (RNG, stats).
   """
   embed_fn, embed_params = _split_module(embed, "embed")
   split = [_split_module(m, f"stacks[{i}]") for i, m in enumerate(stacks)]
@@ -79,13 +64,8 @@ def linen_apply(module: nn.Module,
                 ) -> Callable[..., Any]:
   """A Flax linen module as a part of a ``BlockwiseModel``.
 
-  ``fn(params, *args) = module.apply({"params": params}, *args,
-  method=method)``. For a stack run under ``nn.scan(Block,
-  variable_axes={"params": 0}, ...)`` (the layout MaxText and MaxDiffusion
-  train in), the scanned module's params are already one stack (a leading
-  block axis on every leaf); the block function is ``linen_apply`` of one
-  unscanned ``Block``, with a ``method`` that maps ``(carry, consts)`` to its
-  call (keyword arguments, a ``(carry, None)`` return)::
+  A stack scanned by ``nn.scan(Block, variable_axes={"params": 0}, ...)`` has
+  its params stacked already; its block is ``linen_apply`` of one ``Block``::
 
     model = BlockwiseModel(
         embed=linen_apply(Embed(cfg)),
@@ -98,15 +78,13 @@ def linen_apply(module: nn.Module,
     method: ``method(module, *args)``, what to call (default ``__call__``).
 
   Returns:
-    ``fn(params, *args)``. A module that needs collections other than
-    ``params`` (batch statistics) fails in ``apply``, naming them.
+    ``fn(params, *args)`` calling ``module.apply``; a module that needs other
+    collections than ``params`` (batch statistics) fails there, naming them.
   """
-
   if not isinstance(module, nn.Module):
     raise TypeError(f"linen_apply: module must be a flax.linen Module, got "
                     f"{type(module).__name__}")
 
   def fn(params: Any, *args: Any) -> Any:
     return module.apply({"params": params}, *args, method=method)
-
   return fn

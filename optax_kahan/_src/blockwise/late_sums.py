@@ -1,12 +1,4 @@
-"""The late sums of a blockwise step: each group's, added over all groups.
-
-A transformation that reduces late (Prodigy with ``lagged_d=True``) keeps in
-its state, per group, sums over that group's leaves (``per_leaf.LateSums``);
-the step updates each group on its own, then gives every group the sums over
-all groups, which the next step folds in (a one-step lag).
-"""
-
-from __future__ import annotations
+"""Late sums (``LateSums``, as of ``lagged_d=True``) added over all groups."""
 
 from typing import Any
 
@@ -24,13 +16,13 @@ def _is_late(x: Any) -> bool:
 
 
 def _like(x: jax.Array, where: jax.Array) -> jax.Array:
-  """``x`` in the memory ``where`` lives in (a streamed stack's: host)."""
+  """``x`` in ``where``'s memory (a streamed stack's: host)."""
   return placement.to_host(x) if placement.on_host(where) else x
 
 
 def sum_late(state: BlockwiseState) -> BlockwiseState:
-  """Gives every ``LateSums`` of the state (each group's, over its own
-  leaves; the blocks' one per block) the sums over all groups."""
+  """Gives every ``LateSums`` of the state (each group's, one per block in a
+  stack) the sums over all groups."""
   groups = [state.embed, *state.stacks, state.head]
   found = [validation.find(g, per_leaf.LateSums) for g in groups]
   totals = []

@@ -1,22 +1,4 @@
-"""A model as blocks: its functions, its weights and its optimizer state.
-
-A blockwise model is **embed -> scan over stacked blocks -> head**: the
-blocks of a stack share one tree of weights with a leading block axis
-(``lax.scan`` or ``nnx.scan`` over ``nnx.vmap``-built blocks, as in MaxText
-and MaxDiffusion), and there may be several stacks one after the other
-(FLUX: 19 double-stream, then 38 single-stream blocks)::
-
-    carry, consts = embed(theta_E, batch)
-    carry = block_s(theta_{s,i}, carry, consts)     for each stack s, block i
-    carry = transition_s(carry, consts)             between stacks s and s + 1
-    loss  = head(theta_H, carry, consts, batch)
-
-``consts`` are the values every block reads and none changes (FLUX's
-conditioning vector and rotary tables); a transition has no weights (FLUX
-joins its text and image tokens between its two stacks).
-"""
-
-from __future__ import annotations
+"""A model as blocks: functions, weights, state. See docs/guides/flux.md."""
 
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -30,8 +12,7 @@ Batch = Any
 
 
 class ContinueStack:
-  """The type of ``continue_stack``: a transition that joins two parts of one
-  stack. The step tells a split stack by this type (``BlockwiseModel.joins``)."""
+  """The identity transition between a stack's parts (``stream_blocks``)."""
 
   def __call__(self, carry: Carry, consts: Consts) -> Carry:
     del consts
@@ -41,9 +22,6 @@ class ContinueStack:
     return "continue_stack"
 
 
-#: The transition between two parts of one stack (``stream_blocks``): the
-#: identity. The step sums the parts' cotangents of ``consts`` as it would
-#: one stack's, so splitting a stack changes no bit of the gradients.
 continue_stack = ContinueStack()
 
 
@@ -51,16 +29,14 @@ class BlockwiseModel(NamedTuple):
   """A model as embed -> scan over stacked blocks -> head, as pure functions.
 
   Attributes:
-    embed: ``embed(embed_params, batch) -> (carry, consts)``.
-    blocks: one function per stack, ``block(block_params, carry, consts) ->
-      carry``, where ``block_params`` is one block's slice of the stack (no
-      leading axis) and the carry keeps its structure, shapes and dtypes.
+    embed: ``embed(embed_params, batch) -> (carry, consts)``; ``consts`` are
+      read by every block and changed by none.
+    blocks: per stack, ``block(block_params, carry, consts) -> carry`` on
+      one block's slice; the carry keeps its structure, shapes and dtypes.
     head: ``head(head_params, carry, consts, batch) -> loss``, a scalar.
-    transitions: none, or one function per pair of consecutive stacks,
-      ``transition(carry, consts) -> carry``, run after stack ``s`` (the
-      next stack's carry may have another structure), or None where
-      nothing runs. ``continue_stack`` joins the parts of a stack that
-      ``stream_blocks`` split.
+    transitions: none, or per pair of consecutive stacks a weightless
+      ``transition(carry, consts) -> carry`` (or None: nothing runs);
+      ``continue_stack`` joins the parts of a split stack.
   """
   embed: Callable[[Any, Batch], tuple[Carry, Consts]]
   blocks: tuple[Callable[[Any, Carry, Consts], Carry], ...]
@@ -74,8 +50,7 @@ class BlockwiseModel(NamedTuple):
     return self.transitions[s]
 
   def joins(self, s: int) -> bool:
-    """Whether stacks ``s`` and ``s + 1`` are two parts of one stack (joined
-    by ``continue_stack``)."""
+    """Whether stacks ``s`` and ``s + 1`` are parts of one stack."""
     return isinstance(self.transition(s), ContinueStack)
 
 
@@ -93,7 +68,6 @@ class BlockwiseState(NamedTuple):
   head: optax.OptState
 
 
-
 def check_params(model: BlockwiseModel, params: BlockwiseParams) -> None:
   check_stacks(params)
   if len(params.stacks) != len(model.blocks):
@@ -106,8 +80,7 @@ def check_params(model: BlockwiseModel, params: BlockwiseParams) -> None:
 
 
 def check_stacks(params: Any) -> None:
-  """A ``BlockwiseParams`` whose stacks' leaves share a leading block axis,
-  and no array an earlier jitted call took (donated)."""
+  """Refuses all but ``BlockwiseParams`` of stacked, undonated leaves."""
   if not isinstance(params, BlockwiseParams):
     raise TypeError(f"params must be a BlockwiseParams, got "
                     f"{type(params).__name__}")

@@ -1,12 +1,4 @@
-"""``kahan_residuals`` and ``kahan_replace_residuals`` of a blockwise state.
-
-A ``BlockwiseState`` holds one ``kahan`` state per group (the embedding, each
-stack, the head); its residuals are a ``BlockwiseParams`` laid out as the
-weights. Registering the two accessors with ``kahan`` lets the residual
-helpers take a blockwise state without ``kahan`` knowing this layer.
-"""
-
-from __future__ import annotations
+"""``kahan_residuals`` of a ``BlockwiseState``, registered with ``kahan``."""
 
 from optax_kahan._src import kahan
 from optax_kahan._src.blockwise.model import BlockwiseParams
@@ -14,8 +6,7 @@ from optax_kahan._src.blockwise.model import BlockwiseState
 
 
 def residuals_of(state: BlockwiseState) -> BlockwiseParams:
-  """``kahan_residuals`` of a blockwise state: each group's residuals (the
-  stacks' with their block axis)."""
+  """Each group's residuals (the stacks' with their block axis)."""
   return BlockwiseParams(
       kahan.kahan_residuals(state.embed),
       tuple(kahan.kahan_residuals(s) for s in state.stacks),
@@ -24,7 +15,7 @@ def residuals_of(state: BlockwiseState) -> BlockwiseParams:
 
 def with_residuals(state: BlockwiseState,
                     residuals: BlockwiseParams) -> BlockwiseState:
-  """``kahan_replace_residuals`` of a blockwise state, group by group."""
+  """``kahan_replace_residuals``, group by group."""
   if (not isinstance(residuals, BlockwiseParams)
       or len(residuals.stacks) != len(state.stacks)):
     raise ValueError(

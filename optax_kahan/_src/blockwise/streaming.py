@@ -1,18 +1,8 @@
-"""Streaming: blocks' weights, state and residuals kept in host memory.
-
-``stream_blocks`` moves the last blocks of each stack to host memory
-(``pinned_host``) and gives every stacked host leaf a spare buffer
-(``DoubleBuffer``); ``blockwise_step`` then streams them through the device
-(``pipeline``), a block read from one buffer and written into the other, so
-a write-back and the next fetch are independent and both PCIe directions run
-beside the compute. ``join_stacks`` undoes the layout; ``front_buffers`` and
-``with_front_buffers`` read and write its values (checkpoints).
+"""Streaming blocks through host memory. See docs/guides/flux.md.
 
 References:
   sd-scripts (kohya-ss) ``--blocks_to_swap``.
 """
-
-from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
@@ -34,17 +24,9 @@ from optax_kahan._src.double_buffer import front_buffers
 from optax_kahan._src.double_buffer import is_double as _is_double
 
 
-#: Compiler options for a streamed step: ``jax.jit(step,
-#: compiler_options=STREAMING_COMPILER_OPTIONS)``. By default XLA:GPU's
-#: latency-hiding scheduler keeps about one asynchronous host transfer in
-#: flight beside the compute and runs the others back to back. A streamed
-#: block moves one transfer per host leaf in each direction (FLUX.1-dev's
-#: double block, weights, state and residuals streamed: about 80 each way),
-#: and its transfers should all be in flight at once: at a limit of 64 the
-#: fetches of a streamed block wait for write-backs to free a slot. With
-#: this (experimental) option the FLUX.1-dev step hides most of its PCIe
-#: time (``benchmarks/streaming.py`` compiles it both ways). XLA:CPU
-#: accepts and ignores it.
+#: ``jax.jit`` options for a streamed step: XLA:GPU keeps about one host
+#: transfer in flight, a block moves one per host leaf each way (about 80 for
+#: FLUX.1-dev's; at 64, fetches wait). Experimental; XLA:CPU ignores it.
 STREAMING_COMPILER_OPTIONS: dict[str, Any] = {
     "xla_gpu_experimental_parallel_async_compute_limit": 256}
 
@@ -52,12 +34,8 @@ STREAMING_COMPILER_OPTIONS: dict[str, Any] = {
 def with_front_buffers(layout: Any, values: Any) -> Any:
   """``layout`` holding ``values``: the inverse of ``front_buffers``.
 
-  ``values`` is laid out as ``front_buffers(layout)`` (a checkpoint of it,
-  say); each ``DoubleBuffer`` of ``layout`` gets its value as its front and
-  keeps its spare, and every other leaf is replaced by its value. Save
-  ``front_buffers((params, state))`` rather than the pairs: a pair's role is
-  part of the tree's structure, not its arrays, so a checkpoint of the pairs
-  restored into a layout with the other role would read the stale buffer.
+  Checkpoint ``front_buffers((params, state))``, not the pairs: a pair's role
+  is static, so restored into the other role it would read the stale buffer.
 
   Example:
     >>> layout = {"w": DoubleBuffer(jnp.zeros(2), jnp.ones(2)), "b": 0.0}
@@ -67,16 +45,15 @@ def with_front_buffers(layout: Any, values: Any) -> Any:
 
   Args:
     layout: a tree with ``DoubleBuffer`` nodes (``stream_blocks``' layout).
-    values: the values, as ``front_buffers(layout)`` is laid out.
+    values: laid out as ``front_buffers(layout)`` (a checkpoint of it).
 
   Returns:
     ``layout``'s pairs and roles, ``values``' arrays.
 
   Raises:
-    ValueError: for a value in device memory where ``layout``'s is in host
-      memory (orbax restores host arrays whose type says device memory:
-      ``jax.device_put(x, jax.memory.Space.Host)`` places them), or a spare
-      buffer a donating step has deleted, naming the leaf.
+    ValueError: for a value in device memory where ``layout``'s is on host
+      (``jax.device_put(x, jax.memory.Space.Host)`` places orbax's), or a
+      spare a donating step deleted, naming the leaf.
   """
   def put(path, x, value):
     front = x.front if _is_double(x) else x
@@ -97,7 +74,6 @@ def with_front_buffers(layout: Any, values: Any) -> Any:
     if x.front_is_a:
       return DoubleBuffer(value, x.b, True)
     return DoubleBuffer(x.a, value, False)
-
   where = validation.tree_mismatch(front_buffers(layout), values,
                                    names=("layout", "values"))
   if where:
@@ -108,8 +84,7 @@ def with_front_buffers(layout: Any, values: Any) -> Any:
 
 
 def flip(tree: Any, new: Any) -> Any:
-  """``new`` (laid out as ``front_buffers(tree)``) placed as ``tree`` is: each
-  ``DoubleBuffer``'s new values in its back buffer, which becomes front."""
+  """``new`` in ``tree``'s layout, each ``DoubleBuffer`` flipped (``flip``)."""
   return jax.tree.map(lambda x, y: x.flip(y) if _is_double(x) else y, tree,
                       new, is_leaf=_is_double)
 
@@ -132,9 +107,7 @@ def _spare(x: Any) -> Any:
 
 
 def _part(x: Any, start: int, stop: int, kind: Optional[str]) -> Any:
-  """Blocks ``start:stop`` of a stacked leaf (an array or an abstract
-  ``jax.ShapeDtypeStruct``), in memory ``kind`` (``"pinned_host"`` or
-  ``"device"``; None: where ``x`` is)."""
+  """Blocks ``start:stop`` of a stacked leaf in memory ``kind`` (None: kept)."""
   if isinstance(x, jax.ShapeDtypeStruct):
     sharding = x.sharding
     if kind is not None and sharding is not None:
@@ -155,31 +128,10 @@ def stream_blocks(
 ) -> tuple[BlockwiseModel, BlockwiseParams, BlockwiseState]:
   """Moves the last blocks of each stack, weights and state, to host memory.
 
-  ``blockwise_step`` streams whatever lives in host memory (``pinned_host``):
-  the forward pass fetches block ``j + 1``'s weights while block ``j``
-  computes; the backward pass, while block ``j`` computes, writes block
-  ``j + 1``'s new weights, state and residuals back and fetches block
-  ``j - 1``'s. The device then holds two blocks of those stacks instead of
-  all of them (sd-scripts' ``--blocks_to_swap``, applied to the optimizer
-  state and ``kahan``'s residuals too).
-
-  Layout: stack ``s`` with ``0 < num_streamed[s] < num_blocks`` becomes two
-  parts, its first blocks on the device and its last ``num_streamed[s]`` in
-  host memory, joined by the transition ``continue_stack``. The weights of
-  the blocks not streamed go to the device from wherever they are (a model
-  too large for it is loaded into host memory first); their state stays
-  where it is (``kahan``'s residuals in host memory). With
-  ``spare_buffers``, every leaf of the stacks in host memory (streamed, or
-  ``kahan``'s residuals) becomes a ``DoubleBuffer``: the step reads one
-  buffer and writes the other, so both PCIe directions run beside the
-  compute, at the cost of a second copy in host memory. ``num_streamed = (0, ...)`` moves
-  nothing and gives the residuals their spare. ``join_stacks`` undoes the
-  layout.
-
-  The arithmetic is unchanged: the step computes what it computes without
-  streaming, bit for bit (Prodigy's late sums aside: they add the parts'
-  sums in another order). Call it after ``blockwise_init``, on arrays or on
-  abstract ``jax.ShapeDtypeStruct`` leaves (to compile ahead).
+  ``blockwise_step`` streams them (``pinned_host``) two blocks at a time
+  (sd-scripts' ``--blocks_to_swap``, state and residuals too), bit for bit
+  the same step (Prodigy's late sums: in another order). The other blocks'
+  weights go to the device (load a too large model into host memory first).
 
   Example:
     >>> import optax
@@ -200,17 +152,17 @@ def stream_blocks(
 
   Args:
     model: the model's functions.
-    params: a ``BlockwiseParams``.
-    state: its ``BlockwiseState`` (from ``blockwise_init``).
+    params: a ``BlockwiseParams`` (arrays or ``jax.ShapeDtypeStruct``).
+    state: its ``BlockwiseState`` (from ``blockwise_init``), left in place
+      for the blocks not streamed.
     num_streamed: per stack, how many of its last blocks live in host
-      memory (0 to its number of blocks).
-    spare_buffers: give every leaf of the stacks in host memory a second
-      buffer (``DoubleBuffer``): twice the host memory of what is streamed, the
-      copies hidden behind the compute. False keeps one buffer per leaf:
-      each leaf's fetch waits for its write-back.
+      memory (0: none, but the residuals get their spares).
+    spare_buffers: give every stacked host leaf a ``DoubleBuffer``, so the
+      copies hide behind the compute, at twice the host memory streamed.
+      False: each fetch waits for its leaf's write-back.
 
   Returns:
-    ``(model, params, state)`` with the stacks split and placed.
+    ``(model, params, state)``, split stacks joined by ``continue_stack``.
 
   Raises:
     ValueError: for a count per stack that does not fit.
@@ -245,16 +197,12 @@ def stream_blocks(
     for j, (a, b) in enumerate(parts):
       if blocks:  # what runs between this part and the one before it
         transitions.append(continue_stack if j else model.transition(s - 1))
-      # Streamed blocks go to host memory; the others' weights to the
-      # device (from wherever they were loaded), their state stays put
-      # (kahan's residuals in host memory, unless offload=False).
       streamed = a == n - k
       def place(x, kind=None):  # used at once: a, b, streamed are current
         y = _part(x, a, b, "pinned_host" if streamed else kind)
         if spare_buffers and placement.in_host_memory(y):
           return DoubleBuffer(y, _spare(y))
         return y
-
       blocks.append(model.blocks[s])
       stacks.append(jax.tree.map(lambda x: place(x, kind="device"), stack))
       states.append(jax.tree.map(place, stack_state))
@@ -268,14 +216,10 @@ def join_stacks(model: BlockwiseModel, params: BlockwiseParams
                 ) -> tuple[BlockwiseModel, BlockwiseParams]:
   """Undoes ``stream_blocks``: each stack whole again, in device memory.
 
-  The parts joined by ``continue_stack`` are concatenated (the values of a
-  ``DoubleBuffer``), so the weights can be written back into the model
-  (``nnx.update``) or exported. Works on any tree laid out like the params:
-  pass ``kahan_residuals(state)`` for the residuals.
-
   Args:
     model: the model ``stream_blocks`` returned.
-    params: a ``BlockwiseParams`` laid out as that model's stacks.
+    params: a ``BlockwiseParams`` laid out as that model's stacks (or any
+      tree so laid out, e.g. ``kahan_residuals(state)``).
 
   Returns:
     ``(model, params)`` with one stack per original stack.
