@@ -7,8 +7,9 @@ FLUX.1-dev at reduced depth (4 double + 8 single blocks of width 3072,
 2.5B params), batch 1 at 1024x1024, ``blockwise_step`` of
 ``kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))`` with random
 weights, in three setups: residuals on the device, residuals in host memory
-(``stream_blocks(..., (0, 0))``: a spare buffer per leaf), and every block
-streamed (``stream_blocks``), each jitted with
+(``stream_blocks(..., (0, 0))``: a spare buffer per leaf), every block
+streamed (``stream_blocks``), and that with the blocks' saved inputs in host
+memory (``offload_activations=True``), each jitted with
 ``ok.blockwise.STREAMING_COMPILER_OPTIONS`` as the README's table. Each setup runs
 in a process of its own (the device's ``peak_bytes_in_use`` counts from the
 process start): it compiles the step (once per role of the spare
@@ -33,7 +34,7 @@ import sys
 import time
 
 SETUPS = ("residuals on the device", "residuals in host memory",
-          "all blocks streamed")
+          "all blocks streamed", "all blocks streamed, activations on host")
 
 
 def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2) -> dict:
@@ -67,11 +68,13 @@ def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2) -> dict:
   if setup != "residuals on the device":  # spare host buffers
     model, params, state = ok.blockwise.stream_blocks(
         model, params, state, (cfg.double_blocks, cfg.single_blocks)
-        if setup == "all blocks streamed" else (0, 0))
+        if setup.startswith("all blocks streamed") else (0, 0))
   spec = flux_model.batch_spec(cfg, 1, *tokens)
   batch = {k: jax.device_put(jnp.ones(v.shape, v.dtype) * 0.1, device)
            for k, v in spec.items()}
-  step = jax.jit(lambda p, s, b: ok.blockwise.blockwise_step(model, tx, p, s, b),
+  activations = setup.endswith("activations on host")
+  step = jax.jit(lambda p, s, b: ok.blockwise.blockwise_step(
+      model, tx, p, s, b, offload_activations=activations),
                  donate_argnums=(0, 1),
                  compiler_options=ok.blockwise.STREAMING_COMPILER_OPTIONS)
   # one program per role of the spare buffers, each compiled once, ahead

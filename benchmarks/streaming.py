@@ -88,9 +88,11 @@ def make_tx(offload: bool = True):
 
 def compile_row(cfg, target: str, batch: int, offload: bool,
                 streamed: Optional[tuple[int, ...]], spare: bool = True,
-                options: bool = True) -> dict[str, Any]:
+                options: bool = True, activations: bool = False
+                ) -> dict[str, Any]:
   """One step compiled (with ``STREAMING_COMPILER_OPTIONS``, or XLA's
-  defaults); its peak and modeled time."""
+  defaults; ``activations``: the blocks' saved inputs in host memory); its
+  peak and modeled time."""
   mesh = gpu_compile.gpu_mesh(target)
   device = jax.NamedSharding(mesh.abstract_mesh, jax.P())
   host = jax.NamedSharding(mesh.abstract_mesh, jax.P(),
@@ -108,19 +110,23 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   b = jax.tree.map(sds, flux_model.batch_spec(cfg, batch, 4096, 512))
   t0 = time.perf_counter()
   compiled = gpu_compile.compile_step(
-      lambda p, s, x: ok.blockwise.blockwise_step(model, tx, p, s, x), (params, state, b),
+      lambda p, s, x: ok.blockwise.blockwise_step(
+          model, tx, p, s, x, offload_activations=activations),
+      (params, state, b),
       mesh, compiler_options=ok.blockwise.STREAMING_COMPILER_OPTIONS if options else None)
   m = compiled.memory_analysis()
   peak = (m.argument_size_in_bytes + m.output_size_in_bytes
           - m.alias_size_in_bytes + m.temp_size_in_bytes)
   t = timeline.model(compiled.as_text())
   row = {"batch": batch, "offload": offload, "spare": spare,
-         "options": options,
+         "options": options, "activations": activations,
          "streamed": None if streamed is None else list(streamed),
          "peak_bytes": peak, "temp_bytes": m.temp_size_in_bytes,
          "host_bytes": m.host_argument_size_in_bytes,
+         "host_temp_bytes": m.host_temp_size_in_bytes,
          "compile_s": time.perf_counter() - t0, **t.as_dict()}
-  print(f"  batch {batch} offload={offload} streamed={streamed}: "
+  print(f"  batch {batch} offload={offload} streamed={streamed}"
+        f"{' activations in host memory' if activations else ''}: "
         f"{peak / 1e9:.2f} GB, {t.step_s * 1e3:.0f} ms modeled "
         f"({row['compile_s']:.0f} s)", flush=True)
   return row
@@ -128,8 +134,8 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
 
 def fewest_streamed(cfg, target: str, limit: float, spare: bool = True,
                     offload: bool = True, batch: int = 1, lo: int = 0,
-                    found: Optional[dict[int, dict]] = None
-                    ) -> tuple[int, int, dict]:
+                    found: Optional[dict[int, dict]] = None,
+                    activations: bool = False) -> tuple[int, int, dict]:
   """The fewest streamed blocks (single-stream ones first) whose step's
   compiled peak is at most ``limit`` bytes, searched over the count from
   ``lo``, the peak taken to fall as the count grows (it does past the first
@@ -138,15 +144,17 @@ def fewest_streamed(cfg, target: str, limit: float, spare: bool = True,
   peak linearly between the nearest counts compiled on either side, and a
   count that fits is confirmed by the one below it. ``offload=False``: the
   blocks not streamed keep their residuals on the device. ``found``: rows
-  compiled before, by count (filled in). With every block streamed and
-  still over the limit, returns that row."""
+  compiled before, by count (filled in). ``activations``: the blocks' saved
+  inputs in host memory. With every block streamed and still over the
+  limit, returns that row."""
   counts = (cfg.double_blocks, cfg.single_blocks)
   streamed = lambda k: (max(0, k - counts[1]), min(k, counts[1]))
   found = {} if found is None else found
 
   def row(k: int) -> dict:
     if k not in found:
-      found[k] = compile_row(cfg, target, batch, offload, streamed(k), spare)
+      found[k] = compile_row(cfg, target, batch, offload, streamed(k), spare,
+                             activations=activations)
     return found[k]
 
   hi = sum(counts)
@@ -175,27 +183,30 @@ def fewest_streamed(cfg, target: str, limit: float, spare: bool = True,
   return (*streamed(lo), row(lo))
 
 
-def card_rows(cfg, target: str, batches=(1, 2, 4),
-              cards=CARDS) -> dict[str, dict]:
+def card_rows(cfg, target: str, batches=(1, 2, 4), cards=CARDS,
+              activation_batches=(4,)) -> dict[str, dict]:
   """For each card (GiB), the setup and batch with the lowest modeled time
   per sample whose peak leaves ``MARGIN`` after the CUDA context: residuals
   on the device, residuals alone in host memory, or the fewest streamed
-  blocks that fit, at each batch."""
+  blocks that fit, at each batch; at ``activation_batches`` also each of
+  these with the blocks' saved inputs in host memory."""
   candidates = []
-  for batch in batches:
+  for batch, act in [(b, False) for b in batches] + [
+      (b, True) for b in activation_batches if b in batches]:
+    also = ", activations in host memory" if act else ""
     candidates += [
-        ("residuals on the device (`offload=False`)",
-         compile_row(cfg, target, batch, False, None)),
-        ("residuals in host memory, spare buffers (`(0, 0)`)",
-         compile_row(cfg, target, batch, True, (0, 0)))]
+        (f"residuals on the device (`offload=False`){also}",
+         compile_row(cfg, target, batch, False, None, activations=act)),
+        (f"residuals in host memory, spare buffers (`(0, 0)`){also}",
+         compile_row(cfg, target, batch, True, (0, 0), activations=act))]
     plain, found, lo = candidates[-2:], {0: candidates[-1][1]}, 0
     for gib in sorted(cards, reverse=True):  # fewer blocks for larger cards
       if any(fits(r, gib) for _, r in plain):
         continue
       d, s, row = fewest_streamed(cfg, target, usable_bytes(gib), batch=batch,
-                                  lo=lo, found=found)
+                                  lo=lo, found=found, activations=act)
       lo = d + s
-      candidates.append((f"`({d}, {s})` blocks streamed", row))
+      candidates.append((f"`({d}, {s})` blocks streamed{also}", row))
   best = {}
   for gib in cards:
     fitting = [(r["step_s"] / r["batch"], name, r) for name, r in candidates
@@ -203,9 +214,11 @@ def card_rows(cfg, target: str, batches=(1, 2, 4),
     if fitting:
       _, name, r = min(fitting, key=lambda x: x[0])
       best[f"{gib} GiB"] = {**r, "setup": name, "card_gib": gib}
-  ref = next(r for n, r in candidates if r["batch"] == 1 and not r["offload"])
+  on_device = {r["batch"]: r for _, r in candidates
+               if not r["offload"] and not r.get("activations")}
   for row in best.values():
-    row["ratio"] = (row["step_s"] / row["batch"]) / ref["step_s"]
+    row["ratio"] = (row["step_s"] / row["batch"]) / on_device[1]["step_s"]
+    row["same_batch_ratio"] = row["step_s"] / on_device[row["batch"]]["step_s"]
     row["floor_s"] = floor_s(row)
   return best
 
@@ -237,18 +250,22 @@ def cards_markdown(r: dict) -> str:
       f"{timeline.GEMM_FLOPS / 1e12:.0f} TFLOP/s, PCIe "
       f"{timeline.PCIE / 1e9:.0f} GB/s per direction, other kernels free; an "
       "estimate); per sample: the step over the batch; ratio: to the "
-      "residuals-on-device step at batch 1, per sample; floor: the longest "
-      "of the matrix multiplies and each PCIe direction's bytes.", "",
+      "residuals-on-device step at batch 1, per sample; same batch: to the "
+      "residuals-on-device step at the row's batch; host: its arguments "
+      "and temporaries in host memory; floor: the longest of the matrix "
+      "multiplies and each PCIe direction's bytes.", "",
       "| card | setup | batch | device peak GB | margin GB | host GB | "
-      "modeled ms per sample | ratio | floor ms per sample | modeled / floor |",
-      "|---|---|---|---|---|---|---|---|---|---|"]
+      "modeled ms per sample | ratio | same batch | floor ms per sample | "
+      "modeled / floor |",
+      "|---|---|---|---|---|---|---|---|---|---|---|"]
   for card, v in r["rows"].items():
     margin = v["card_gib"] * 2**30 - CONTEXT - v["peak_bytes"]
     lines.append(
         f"| {card} | {v['setup']} | {v['batch']} | "
         f"{v['peak_bytes'] / 1e9:.2f} | {margin / 1e9:.2f} | "
-        f"{v['host_bytes'] / 1e9:.1f} | "
+        f"{(v['host_bytes'] + v.get('host_temp_bytes', 0)) / 1e9:.1f} | "
         f"{v['step_s'] / v['batch'] * 1e3:.0f} | {v['ratio']:.2f}x | "
+        f"{v['same_batch_ratio']:.2f}x | "
         f"{v['floor_s'] / v['batch'] * 1e3:.0f} | "
         f"{v['step_s'] / v['floor_s']:.2f}x |")
   return "\n".join(lines) + "\n"
@@ -269,6 +286,9 @@ def rows_for(cfg, target: str, quick: bool, spare: bool = True
   if quick:
     rows[f"1 + 2 blocks streamed, {layout}, batch 1"] = compile_row(
         cfg, target, 1, True, (1, 2), spare)
+    rows[f"1 + 2 blocks streamed, {layout}, activations in host memory, "
+         "batch 1"] = compile_row(cfg, target, 1, True, (1, 2), spare,
+                                  activations=True)
   else:
     rows["residuals in host memory, spare buffers, XLA's default options, "
          "batch 1"] = compile_row(cfg, target, 1, True, (0, 0), options=False)
@@ -280,6 +300,23 @@ def rows_for(cfg, target: str, quick: bool, spare: bool = True
   for row in rows.values():
     ref = rows[f"residuals on the device, batch {row['batch']}"]
     row["ratio"] = row["step_s"] / ref["step_s"]
+  return rows
+
+
+def activation_rows(cfg, target: str) -> dict[str, dict]:
+  """Every block streamed at batch 2 and 4, the blocks' saved inputs on the
+  device and in host memory, against the residuals-on-device step."""
+  counts = (cfg.double_blocks, cfg.single_blocks)
+  rows = {}
+  for batch in (2, 4):
+    ref = rows[f"residuals on the device, batch {batch}"] = compile_row(
+        cfg, target, batch, False, None)
+    for act, where in ((False, "on the device"), (True, "in host memory")):
+      rows[f"all {sum(counts)} blocks streamed, activations {where}, batch "
+           f"{batch}"] = compile_row(cfg, target, batch, True, counts,
+                                     activations=act)
+    for row in list(rows.values())[-3:]:
+      row["ratio"] = row["step_s"] / ref["step_s"]
   return rows
 
 
@@ -296,8 +333,8 @@ def to_markdown(r: dict) -> str:
       "batch; hidden: the share of each direction's PCIe time that runs "
       "beside compute. Compiled with `ok.blockwise.STREAMING_COMPILER_OPTIONS` "
       f"(`{r['compiler_options']}`) unless the row says otherwise; host GB: "
-      "the step's arguments in host memory (with spare buffers, both "
-      f"buffers). XLA_FLAGS: `{r.get('xla_flags') or '(none)'}`.", "",
+      "the step's arguments and temporaries in host memory (with spare "
+      f"buffers, both buffers). XLA_FLAGS: `{r.get('xla_flags') or '(none)'}`.", "",
       "| setup | device peak GB | margin 24 GiB | margin 12 GiB | host GB | "
       "modeled ms | ratio | H2D GB (hidden) | D2H GB (hidden) |",
       "|---|---|---|---|---|---|---|---|---|"]
@@ -306,7 +343,8 @@ def to_markdown(r: dict) -> str:
     hidden = lambda x: "-" if x != x else f"{100 * x:.0f}%"
     lines.append(
         f"| {name} | {v['peak_bytes'] / 1e9:.2f} | {margin(24):+.2f} | "
-        f"{margin(12):+.2f} | {v['host_bytes'] / 1e9:.2f} | "
+        f"{margin(12):+.2f} | "
+        f"{(v['host_bytes'] + v.get('host_temp_bytes', 0)) / 1e9:.2f} | "
         f"{v['step_s'] * 1e3:.0f} | {v['ratio']:.2f}x | "
         f"{v['h2d_bytes'] / 1e9:.1f} ({hidden(v['h2d_hidden'])}) | "
         f"{v['d2h_bytes'] / 1e9:.1f} ({hidden(v['d2h_hidden'])}) |")
@@ -332,6 +370,10 @@ def main(argv=None) -> dict:
                       help="for each card, the setup and batch (1, 2, 4) "
                       "with the lowest modeled time per sample, to "
                       "results/streaming_cards")
+  parser.add_argument("--activations", action="store_true",
+                      help="every block streamed at batch 2 and 4, the "
+                      "saved activations on the device and in host memory, "
+                      "to results/streaming_activations")
   parser.add_argument("--device-residuals", action="store_true",
                       help="with --fit: kahan(..., offload=False), the "
                       "blocks not streamed keep their residuals on the "
@@ -345,6 +387,8 @@ def main(argv=None) -> dict:
   batches = (1, 2) if args.quick else (1, 2, 4)
   if args.cards:
     rows = card_rows(cfg, args.target, batches)
+  elif args.activations:
+    rows = activation_rows(cfg, args.target)
   elif args.fit:
     d, s, row = fewest_streamed(cfg, args.target, args.fit * 1e9,
                                 not args.one_buffer,
@@ -370,6 +414,7 @@ def main(argv=None) -> dict:
   r["xla_flags"] = os.environ.get("XLA_FLAGS", "")
   r["compiler_options"] = ok.blockwise.STREAMING_COMPILER_OPTIONS
   name = ("streaming_cards" if args.cards else
+          "streaming_activations" if args.activations else
           f"streaming_fit{args.fit:g}" if args.fit else "streaming")
   r["batches"] = list(batches) if args.cards else None
   report.save(name + (f"_{args.tag}" if args.tag else ""),

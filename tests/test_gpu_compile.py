@@ -174,6 +174,17 @@ def test_streaming_quick_models_every_setup():
   # updated once outside the loop, have none)
   assert one["host_bytes"] < plain["host_bytes"] < 2 * one["host_bytes"]
   assert streamed["h2d_bytes"] > plain["h2d_bytes"]
+  # the blocks' saved inputs (4608 tokens x 256 in bf16 each) cross both
+  # ways, in host memory: at least the single-stream blocks' (XLA keeps the
+  # saved input of a one-block part, here each double-stream one, on the
+  # device: it turns a one-trip loop's host stack into a device copy)
+  act = rows["1 + 2 blocks streamed, spare buffers, activations in host "
+             "memory, batch 1"]
+  saved = 4 * 4608 * 256 * 2
+  assert act["d2h_bytes"] - streamed["d2h_bytes"] >= saved
+  assert act["h2d_bytes"] - streamed["h2d_bytes"] >= saved
+  assert act["host_temp_bytes"] >= saved > streamed["host_temp_bytes"]
+  assert act["peak_bytes"] <= streamed["peak_bytes"]
 
 
 @pytest.mark.slow
@@ -193,18 +204,23 @@ def test_card_search_picks_the_fastest_sample_that_fits(monkeypatch):
   # 30 - k + 4 * batch (+ 2 with residuals on the device) with k blocks
   # streamed; step 0.1 * batch of compute, plus 0.04 s per streamed block
   # less what the compute of a larger batch hides, plus 0.02 with host
-  # residuals.
+  # residuals; the saved activations in host memory: 3 GB less a sample,
+  # 0.01 s more.
   from benchmarks import streaming
   cfg = type("Cfg", (), {"double_blocks": 8, "single_blocks": 8})()
   compiled = []
 
-  def compile_row(cfg, target, batch, offload, streamed, spare=True):
-    compiled.append((batch, offload, streamed))
+  def compile_row(cfg, target, batch, offload, streamed, spare=True,
+                  activations=False):
+    compiled.append((batch, offload, streamed, activations))
     k = 0 if streamed is None else sum(streamed)
     gemm = 0.1 * batch
-    copies = max(0.0, 0.04 * k - 0.1 * (batch - 1)) + 0.02 * offload
+    copies = (max(0.0, 0.04 * k - 0.1 * (batch - 1)) + 0.02 * offload
+              + 0.01 * activations)
     return {"batch": batch, "offload": offload, "streamed": streamed,
-            "peak_bytes": (30 - k + 4 * batch + 2 * (not offload)) * 1e9,
+            "activations": activations,
+            "peak_bytes": (30 - k + (4 - 3 * activations) * batch
+                           + 2 * (not offload)) * 1e9,
             "host_bytes": 0, "step_s": gemm + copies, "gemm_s": gemm,
             "h2d_bytes": k * 1e9, "d2h_bytes": 0}
 
@@ -219,5 +235,17 @@ def test_card_search_picks_the_fastest_sample_that_fits(monkeypatch):
   assert (rows["24 GiB"]["batch"], rows["24 GiB"]["streamed"]) == (2, (6, 8))
   assert rows["24 GiB"]["step_s"] == pytest.approx(0.68)
   assert rows["24 GiB"]["ratio"] == pytest.approx(3.4)
+  assert rows["24 GiB"]["same_batch_ratio"] == pytest.approx(3.4)
   assert rows["24 GiB"]["floor_s"] == pytest.approx(
       14e9 / streaming.timeline.PCIE)
+  # batch 2 with its activations in host memory needs 8 blocks streamed
+  # (0.45 s, 0.225 s a sample): it wins at 24 GiB
+  compiled.clear()
+  rows = streaming.card_rows(cfg, "h200", (1, 2), cards=(24, 48),
+                             activation_batches=(2,))
+  assert len(compiled) == len(set(compiled))
+  assert (rows["24 GiB"]["batch"], rows["24 GiB"]["streamed"],
+          rows["24 GiB"]["activations"]) == (2, (0, 8), True)
+  assert rows["24 GiB"]["step_s"] == pytest.approx(0.45)
+  assert rows["24 GiB"]["same_batch_ratio"] == pytest.approx(0.45 / 0.2)
+  assert "activations in host memory" in rows["24 GiB"]["setup"]

@@ -15,6 +15,7 @@ import pytest
 
 import optax_kahan as ok
 from optax_kahan import blockwise as bw
+from optax_kahan._src.blockwise import pipeline
 from tests.test_blockwise import JOINED
 from tests.test_blockwise import MODEL
 from tests.test_blockwise import batch
@@ -46,9 +47,10 @@ def _is_double(x):
   return isinstance(x, ok.blockwise.DoubleBuffer)
 
 
-def _run(model, tx, params, state, steps, dtype):
+def _run(model, tx, params, state, steps, dtype, activations=False):
   # the options the README gives (XLA:GPU's; the CPU accepts them)
-  step = jax.jit(lambda p, s, b: bw.blockwise_step(model, tx, p, s, b),
+  step = jax.jit(lambda p, s, b: bw.blockwise_step(
+      model, tx, p, s, b, offload_activations=activations),
                  donate_argnums=(0, 1),
                  compiler_options=ok.blockwise.STREAMING_COMPILER_OPTIONS)
   doubles = bool(_doubles((params, state)))
@@ -152,6 +154,45 @@ def test_streamed_prodigy_keeps_its_lagged_d():
   assert got[0] == want[0]
   np.testing.assert_array_equal(ok.prodigy_d(got[2].head),
                                 ok.prodigy_d(want[2].head))
+
+
+@pytest.mark.parametrize("make, layout", [
+    pytest.param(lambda: ok.kahan(optax.adamw(1e-3)), (2, 2), id="adamw"),
+    pytest.param(lambda: ok.kahan(ok.prodigy_factored(lagged_d=True)), None,
+                 id="prodigy_factored", marks=pytest.mark.slow)])  # 10 s
+def test_activations_in_host_memory_train_as_the_plain_step(make, layout):
+  """``offload_activations``: the blocks' saved inputs cross to host memory
+  and back; the same arithmetic, bit for bit (streamed blocks or not)."""
+  tx = make()
+  params = init_params(jnp.bfloat16)
+  state = ok.blockwise.blockwise_init(tx, params)
+  want = _run(MODEL, tx, jax.tree.map(jnp.copy, params),
+              jax.tree.map(jnp.copy, state), 3, jnp.bfloat16)
+  model = MODEL
+  if layout is not None:
+    model, params, state = ok.blockwise.stream_blocks(MODEL, params, state,
+                                                      layout)
+  got = _run(model, tx, params, state, 3, jnp.bfloat16, activations=True)
+  assert got[0] == want[0]
+  _assert_stacks_equal(model, got, want)
+  np.testing.assert_array_equal(ok.kahan_residuals(got[2].head)["w"],
+                                ok.kahan_residuals(want[2].head)["w"])
+  with pytest.raises(TypeError, match="offload_activations must be True or"):
+    bw.blockwise_step(model, tx, got[1], got[2], batch(0, jnp.bfloat16),
+                      offload_activations=1)
+
+
+def test_offloaded_activations_are_saved_in_host_memory():
+  stack = {"w": jnp.ones((3, 4, 4)) / 4}
+  block = lambda p, c, _: jnp.tanh(c @ p["w"])
+
+  def saved(offload):
+    return jax.typeof(pipeline.forward_stack(block, stack, jnp.ones((2, 4)),
+                                             (), offload)[1]).memory_space
+
+  spaces = []  # read while tracing
+  jax.jit(lambda: spaces.extend([saved(False), saved(True)]) or 0)()
+  assert spaces == [jax.memory.Space.Device, jax.memory.Space.Host]
 
 
 def test_a_double_buffer_keeps_its_arrays_in_place_and_flips_its_front():

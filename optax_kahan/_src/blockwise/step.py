@@ -1,46 +1,13 @@
 """A training step that updates each block inside the backward pass.
 
-A step written as ``jax.value_and_grad`` followed by ``tx.update`` holds the
-whole gradient tree at the update: 2 B/param in bfloat16, as much as the
-weights (24 GB for FLUX.1-dev's 11.9B params). A fused backward pass (as in
-sd-scripts' ``--fused_backward_pass``) updates each weight as soon as its
-gradient exists, so only one block's gradients are ever alive.
-
-For a ``BlockwiseModel`` (embed -> scan over stacked blocks -> head, see
-``model``) the step is:
-
-1. Forward: the embedding (its vjp kept), then each stack by ``lax.scan``,
-   keeping only each block's input ``carry`` (block remat: the block's
-   activations are recomputed in the backward pass); then the head.
-2. The head's gradient, and its update: ``u, s = tx.update(g, s, theta_H)``.
-3. Backward, block by block from the last: with ``c_i`` the saved input,
-   ``(g_i, ct, ct_k) = vjp(block, theta_i, c_i, consts)(ct)``; then
-   ``theta_i, s_i <- update(g_i, s_i, theta_i)`` right there, written back
-   into the stack in place (a ``fori_loop`` carrying the stacked weights and
-   state, so with donation nothing is copied); ``ct`` goes on to block
-   ``i - 1`` and ``ct_k`` is summed into the cotangent of ``consts``.
-4. The embedding's gradient from ``(ct, ct_consts)``, and its update.
-
-One block's gradients are alive at a time, and the optimizer's scratch is
-one block's. Leaves in host memory (``kahan``'s residuals, ``stream_blocks``'
-blocks) are fetched a block ahead and written back a block behind
-(``pipeline``).
-
-Which transformations: ``tx`` is applied to each group of weights (the
-embedding, each block, the head) with its own state, so it must act leaf by
-leaf (its per-leaf form, ``optax_kahan.per_leaf``, with no round before the
-update) or reduce late: Prodigy with ``lagged_d=True`` steps each block with
-the ``d`` known at the start of the step; the step adds the groups'
-``LateSums`` up (``late_sums``), folded into ``d`` at the next step (a
-one-step lag, as in fused-backward Prodigy variants).
+``tx`` runs on each group (embedding, block, head) on its own, so it must act
+leaf by leaf or reduce late (``late_sums``). See docs/guides/flux.md.
 
 References:
   sd-scripts (kohya-ss) ``--fused_backward_pass`` and PR #2159;
   Lv et al., "Full Parameter Fine-tuning for Large Language Models with
   Limited Resources" (LOMO), arXiv:2306.09782, 2023.
 """
-
-from __future__ import annotations
 
 import functools
 from typing import Any
@@ -63,11 +30,7 @@ from optax_kahan._src.blockwise.model import BlockwiseState
 from optax_kahan._src.blockwise.model import check_params
 from optax_kahan._src.blockwise.model import check_stacks
 from optax_kahan._src.blockwise.model import num_blocks
-from optax_kahan._src.blockwise.pipeline import block_of
-from optax_kahan._src.blockwise.pipeline import fetch
-from optax_kahan._src.blockwise.pipeline import forward_stack
-from optax_kahan._src.blockwise.pipeline import take
-from optax_kahan._src.blockwise.pipeline import write_back
+from optax_kahan._src.blockwise import pipeline
 from optax_kahan._src.blockwise.streaming import check_not_doubled
 from optax_kahan._src.blockwise.streaming import flip
 from optax_kahan._src.double_buffer import front_buffers
@@ -79,25 +42,21 @@ def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
                    *args: BlockwiseParams) -> BlockwiseState:
   """``tx``'s state for each group: the embedding, every block, the head.
 
-  A stack's state is ``jax.vmap(tx.init)`` of its weights: the state of each
-  block's weights on its own, stacked on a leading axis (a step count per
-  block, say, all equal). The state is committed where the params are, so
-  the jitted step compiles once.
+  A stack's state is ``jax.vmap(tx.init)`` of its weights (each block's state,
+  stacked), committed where the params are, so the jitted step compiles once.
 
   Args:
     tx: the transformation ``blockwise_step`` will apply.
     params: a ``BlockwiseParams``.
-    *args: more arguments of ``tx.init``, each laid out like ``params`` and
-      split the same way: ``kahan``'s residuals from
-      ``kahan_from_float32``, to start from exact float32 weights.
+    *args: more arguments of ``tx.init``, each laid out like ``params``
+      (``kahan``'s residuals from ``kahan_from_float32``).
 
   Returns:
     A ``BlockwiseState``.
 
   Raises:
-    TypeError, ValueError: for params (or arguments) that are not a
-      ``BlockwiseParams``, a stack without one leading axis, or an array an
-      earlier jitted call took (donated), naming the leaf.
+    TypeError, ValueError: for arguments that are not a ``BlockwiseParams``,
+      a stack without one leading axis, or a donated array, naming the leaf.
   """
   validation.check_transformation("blockwise_init", "tx", tx)
   check_stacks(params)
@@ -121,27 +80,23 @@ def blockwise_loss(model: BlockwiseModel, params: BlockwiseParams,
                    batch: Batch) -> jax.Array:
   """The ordinary forward pass: embed, ``lax.scan`` over each stack, head.
 
-  Each block is rematerialized in the backward pass (``jax.checkpoint``), as
-  in ``blockwise_step``; ``jax.value_and_grad`` of this is the ordinary step's
-  gradient.
+  Blocks are rematerialized (``jax.checkpoint``), as in ``blockwise_step``.
   """
   check_params(model, params)
   params = front_buffers(params)
   carry, consts = model.embed(params.embed, batch)
   for s, stack in enumerate(params.stacks):
-    carry, _ = forward_stack(jax.checkpoint(model.blocks[s]), stack, carry,
-                              consts)
+    carry, _ = pipeline.forward_stack(jax.checkpoint(model.blocks[s]), stack,
+                                      carry, consts)
     if model.transition(s) is not None and not model.joins(s):
       carry = model.transition(s)(carry, consts)
   return model.head(params.head, carry, consts, batch)
 
 
-
 def _update(tx: optax.GradientTransformation, grads: Any, state: Any,
             params: Any, staged: bool = False) -> tuple[Any, Any]:
-  """``params`` updated by ``tx``. ``staged``: this step brought the state's
-  host arrays into device memory and sends them back, which a ``kahan``
-  (one that declares ``kahan_staged``) is told."""
+  """``params`` updated by ``tx``; ``staged`` (the state's host arrays are
+  staged on the device) is passed to a ``tx`` that declares ``kahan_staged``."""
   extra = ({"kahan_staged": True}
            if staged and "kahan_staged" in getattr(tx.update, "static", ())
            else {})
@@ -175,9 +130,8 @@ def _check_per_group(tx: optax.GradientTransformation, grads: Any,
 
 def _check_same_rows(tx: optax.GradientTransformation,
                      params: BlockwiseParams) -> None:
-  """Refuses ``tx`` unless each group's step gives every leaf the update
-  ``tx`` gives it on the whole tree (the stacks' blocks as separate
-  leaves): ``traced.same_rows``."""
+  """Refuses ``tx`` unless each group's update is ``tx``'s on the whole tree
+  (the blocks as separate leaves): ``traced.same_rows``."""
   abstract = lambda t: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), t)
   blocks = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(
@@ -202,61 +156,48 @@ def _check_same_rows(tx: optax.GradientTransformation,
         "lagged_d=True")
 
 
-
 def _backward_stack(tx, block, layout, inputs, consts, ct, ct_consts):
-  """The reverse loop over one stack: each block's vjp, then its update.
-
-  ``layout`` is the stack and its state as the step got them (a
-  ``DoubleBuffer`` where a host leaf has a spare buffer). Returns
-  the carry's cotangent, the sum of the blocks' cotangents of ``consts``
-  (from ``ct_consts``, zero for a whole stack, in this order, as JAX's
-  transpose of ``lax.scan``: ``blockwise_loss``'s gradient bit for bit), and
-  the new stack and state (their host leaves in the spares, if any).
-
-  Leaves in host memory (``kahan``'s residuals; streamed weights and state)
-  are software-pipelined: while block ``i`` computes, block ``i + 1``'s new
-  ones are written back and block ``i - 1``'s are copied in. A leaf with a
-  spare is read from its front and written into its spare: the two copies
-  are independent and start together with the iteration. A leaf without
-  one is read from the array its write-back produced (different blocks, in
-  that order), so XLA copies no buffer, but the fetch waits for the
-  write-back. The first iteration writes back block ``n - 1``'s old values
-  (fetched before the loop) and the last fetches block 0 again: one block
-  of each direction more than needed per stack.
-  """
+  """The reverse loop over a stack, each block's vjp then update; ``ct_consts``
+  sums as ``lax.scan``'s transpose does (bit for bit ``blockwise_loss``)."""
+  # While block i computes, i + 1 is written back and i - 1 fetched (host
+  # leaves and saved inputs); a spare (DoubleBuffer) makes the copies
+  # independent, else the fetch waits for the write-back. The ends write back
+  # n - 1's old values and fetch 0 twice.
   nodes, treedef = jax.tree.flatten(layout, is_leaf=is_double)
   spare = [is_double(x) for x in nodes]
   reads = [x.front if s else x for x, s in zip(nodes, spare)]
   leaves = [x.back if s else x for x, s in zip(nodes, spare)]  # written
-  last = num_blocks(front_buffers(layout[0])) - 1
+  saved = jax.tree.flatten(inputs)
+  last = num_blocks(inputs) - 1
 
   def body(j, loop):
     ct, ct_consts, leaves, staged, pending = loop
     i = last - j
-    leaves = write_back(leaves, pending, jnp.minimum(i + 1, last))
-    ahead = fetch([x if s else y for x, y, s in zip(reads, leaves, spare)],
-                  jnp.maximum(i - 1, 0))
+    leaves = pipeline.write_back(leaves, pending, jnp.minimum(i + 1, last))
+    ahead = pipeline.fetch([x if s else y for x, y, s in zip(
+        reads, leaves, spare)] + saved[0], jnp.maximum(i - 1, 0))
     ct, ct_block, leaves, pending = _step_block(
-        tx, block, leaves, treedef, staged, i, inputs, consts, ct)
+        tx, block, leaves, treedef, staged, i, saved, consts, ct)
     return ct, _add_cotangents(ct_consts, ct_block), leaves, ahead, pending
 
-  staged = fetch(reads, last)
+  staged = pipeline.fetch(reads + saved[0], last)
   ct, ct_consts, leaves, _, pending = lax.fori_loop(
-      0, last + 1, body, (ct, ct_consts, leaves, staged, staged))
-  stack, stack_state = treedef.unflatten(write_back(leaves, pending, 0))
+      0, last + 1, body, (ct, ct_consts, leaves, staged, staged[:len(reads)]))
+  stack, stack_state = treedef.unflatten(
+      pipeline.write_back(leaves, pending, 0))
   return ct, ct_consts, stack, stack_state
 
 
-def _step_block(tx, block, leaves, treedef, staged, k, inputs, consts, ct):
-  """Block ``k`` of a stack (its host leaves in ``staged``): its vjp, then its
-  update. Returns the cotangents (carry, ``consts``), the stack's leaves with
-  the new device leaves written in place, and the new host leaves (None for
-  the others), which the caller writes back."""
-  params, state = treedef.unflatten(block_of(leaves, staged, k))
-  _, vjp = jax.vjp(block, params, take(inputs, k), consts)
+def _step_block(tx, block, leaves, treedef, staged, k, saved, consts, ct):
+  """Block ``k``'s vjp (its input from ``saved``: leaves and treedef) and
+  update: the cotangents, the leaves (device ones updated in place), and the
+  new host leaves (else None) to write back."""
+  here = pipeline.block_of(leaves + saved[0], staged, k)
+  params, state = treedef.unflatten(here[:len(leaves)])
+  carry = saved[1].unflatten(here[len(leaves):])
+  _, vjp = jax.vjp(block, params, carry, consts)
   grads, ct, ct_block = vjp(ct)
-  # On the CPU, XLA would fuse the block's update into the stacks' in-place
-  # writes, recomputing the new moments there from the old stacked ones,
+  # On the CPU, XLA would fuse the update into the stacks' in-place writes
   # and then copy every stack the loop carries; an island prevents it.
   new = jax.tree.leaves(per_leaf.apart_on_cpu(
       functools.partial(_update, tx, staged=True), grads, state, params))
@@ -273,6 +214,8 @@ def blockwise_step(
     params: BlockwiseParams,
     state: BlockwiseState,
     batch: Batch,
+    *,
+    offload_activations: bool = False,
 ) -> tuple[jax.Array, BlockwiseParams, BlockwiseState]:
   """One training step that updates each block inside the backward pass.
 
@@ -283,23 +226,16 @@ def blockwise_step(
     u, s      = tx.update(g, s, theta)
     theta     = optax.apply_updates(theta, u)
 
-  as the module docstring describes: the head's update after the forward
-  pass, each block's inside the reverse loop, the embedding's last: the
-  arithmetic of the ordinary step (``jax.value_and_grad`` of
-  ``blockwise_loss``, then ``tx.update``) on the blocks' weights as separate
-  leaves.
+  The head is updated after the forward pass, each block in the reverse loop,
+  the embedding last: the ordinary step's arithmetic, blocks as separate leaves.
 
   Jit it with the params and state donated (``donate_argnums=(0, 1)``), so
-  the stacks are updated in place. The memory figures are the compiled
-  programs' (``benchmarks/blockwise.py``): on the GPU and the CPU, fewer
-  temporaries than the ordinary step.
-
-  Leaves in host memory (``kahan``'s residuals, ``stream_blocks``' streamed
-  blocks) are fetched a block ahead and written back a block behind. A
-  ``DoubleBuffer`` is read from its front; the new values go into its back,
-  and the returned pair has the roles swapped (the jitted step compiles
-  once per role). A streamed step wants
-  ``compiler_options=STREAMING_COMPILER_OPTIONS`` on its ``jax.jit``.
+  the stacks are updated in place, and a streamed one with
+  ``compiler_options=STREAMING_COMPILER_OPTIONS``. Each ``DoubleBuffer`` comes
+  back with its roles swapped (the jitted step compiles once per role).
+  ``offload_activations`` keeps the blocks' saved inputs in host memory,
+  each sent while the next block computes and fetched a block ahead in the
+  backward pass: the same arithmetic, with their bytes over PCIe.
 
   Args:
     model: the model's functions.
@@ -308,6 +244,7 @@ def blockwise_step(
     params: a ``BlockwiseParams``.
     state: from ``blockwise_init(tx, params)`` or a previous step.
     batch: passed to ``embed`` and ``head``.
+    offload_activations: keep each block's saved input in host memory.
 
   Returns:
     ``(loss, new_params, new_state)``; the loss is that of ``params``.
@@ -335,6 +272,8 @@ def blockwise_step(
   """
   check_params(model, params)
   validation.check_transformation("blockwise_step", "tx", tx)
+  validation.check_bool("blockwise_step", "offload_activations",
+                        offload_activations)
   if not isinstance(state, BlockwiseState):
     raise TypeError(f"state must be a BlockwiseState (from blockwise_init), "
                     f"got {type(state).__name__}")
@@ -342,7 +281,6 @@ def blockwise_step(
     raise ValueError(f"state has {len(state.stacks)} stacks, params "
                      f"{len(params.stacks)}")
 
-  # A DoubleBuffer is read from its front and written into its back.
   layout = (params, state)
   params, state = front_buffers(layout)
   _check_same_rows(tx, params)
@@ -350,7 +288,8 @@ def blockwise_step(
                                        params.embed)
   inputs, transitions = [], []
   for s, stack in enumerate(params.stacks):
-    carry, saved = forward_stack(model.blocks[s], stack, carry, consts)
+    carry, saved = pipeline.forward_stack(model.blocks[s], stack, carry,
+                                          consts, offload_activations)
     inputs.append(saved)
     transition_vjp = None
     if model.transition(s) is not None and not model.joins(s):
@@ -379,7 +318,7 @@ def blockwise_step(
     if s == 0 or not model.joins(s - 1):
       ct_consts = _add_cotangents(ct_consts, ct_stack)
       ct_stack = zeros
-    # else the part before continues this stack's sum, as one stack's would
+    # else the part before continues this stack's sum
   grads, = embed_vjp((ct, ct_consts))
   embed, embed_state = _update(tx, grads, state.embed, params.embed)
 
