@@ -184,38 +184,48 @@ def fewest_streamed(cfg, target: str, limit: float, spare: bool = True,
 
 
 def card_rows(cfg, target: str, batches=(1, 2, 4), cards=CARDS,
-              activation_batches=(4,)) -> dict[str, dict]:
+              activation_batches=(4,), spare: bool = True,
+              max_host: float = math.inf) -> dict[str, dict]:
   """For each card (GiB), the setup and batch with the lowest modeled time
-  per sample whose peak leaves ``MARGIN`` after the CUDA context: residuals
-  on the device, residuals alone in host memory, or the fewest streamed
-  blocks that fit, at each batch; at ``activation_batches`` also each of
-  these with the blocks' saved inputs in host memory."""
+  per sample whose peak leaves ``MARGIN`` after the CUDA context and whose
+  host memory is at most ``max_host`` bytes: residuals on the device,
+  residuals alone in host memory, or the fewest streamed blocks that fit,
+  at each batch; at ``activation_batches`` also each of these with the
+  blocks' saved inputs in host memory. ``spare``: spare buffers (else one
+  buffer per host leaf)."""
+  layout = "spare buffers" if spare else "one buffer per leaf"
+  ok_for = lambda r, gib: fits(r, gib) and host_bytes(r) <= max_host
   candidates = []
   for batch, act in [(b, False) for b in batches] + [
       (b, True) for b in activation_batches if b in batches]:
-    also = ", activations in host memory" if act else ""
+    also = (", activations in host memory" if act else "") + (
+        "" if spare else f", {layout}")
     candidates += [
         (f"residuals on the device (`offload=False`){also}",
          compile_row(cfg, target, batch, False, None, activations=act)),
-        (f"residuals in host memory, spare buffers (`(0, 0)`){also}",
-         compile_row(cfg, target, batch, True, (0, 0), activations=act))]
+        (f"residuals in host memory, {layout} (`(0, 0)`){also}",
+         compile_row(cfg, target, batch, True, (0, 0), spare,
+                     activations=act))]
     plain, found, lo = candidates[-2:], {0: candidates[-1][1]}, 0
     for gib in sorted(cards, reverse=True):  # fewer blocks for larger cards
-      if any(fits(r, gib) for _, r in plain):
+      if any(ok_for(r, gib) for _, r in plain):
         continue
-      d, s, row = fewest_streamed(cfg, target, usable_bytes(gib), batch=batch,
-                                  lo=lo, found=found, activations=act)
+      d, s, row = fewest_streamed(cfg, target, usable_bytes(gib), spare,
+                                  batch=batch, lo=lo, found=found,
+                                  activations=act)
       lo = d + s
       candidates.append((f"`({d}, {s})` blocks streamed{also}", row))
   best = {}
   for gib in cards:
     fitting = [(r["step_s"] / r["batch"], name, r) for name, r in candidates
-               if fits(r, gib)]
+               if ok_for(r, gib)]
     if fitting:
       _, name, r = min(fitting, key=lambda x: x[0])
       best[f"{gib} GiB"] = {**r, "setup": name, "card_gib": gib}
   on_device = {r["batch"]: r for _, r in candidates
                if not r["offload"] and not r.get("activations")}
+  if 1 not in on_device:  # the reference of every row's ratio
+    on_device[1] = compile_row(cfg, target, 1, False, None)
   for row in best.values():
     row["ratio"] = (row["step_s"] / row["batch"]) / on_device[1]["step_s"]
     row["same_batch_ratio"] = row["step_s"] / on_device[row["batch"]]["step_s"]
@@ -226,6 +236,11 @@ def card_rows(cfg, target: str, batches=(1, 2, 4), cards=CARDS,
 def usable_bytes(gib: int) -> float:
   """The largest peak a card of ``gib`` GiB takes with the margin."""
   return gib * 2**30 - CONTEXT - MARGIN
+
+
+def host_bytes(row: dict) -> float:
+  """The step's arguments and temporaries in host memory."""
+  return row["host_bytes"] + row.get("host_temp_bytes", 0)
 
 
 def fits(row: dict, gib: int) -> bool:
@@ -245,7 +260,10 @@ def cards_markdown(r: dict) -> str:
       f"{r['jax']}): {r['model']}, `{OPTIMIZER}`, blockwise step. For each "
       "card, the setup and batch with the lowest modeled time per sample "
       f"whose device peak leaves {MARGIN / 1e9:.1f} GB after "
-      f"{CONTEXT / 1e9:.1f} GB of CUDA context (batches {r['batches']}). "
+      f"{CONTEXT / 1e9:.1f} GB of CUDA context"
+      + (f" and whose host memory is at most {r['max_host_gb']:g} GB"
+         if r.get("max_host_gb") else "")
+      + f" (batches {r['batches']}). "
       "Modeled: `benchmarks.timeline` on the compiled schedule (gemms at "
       f"{timeline.GEMM_FLOPS / 1e12:.0f} TFLOP/s, PCIe "
       f"{timeline.PCIE / 1e9:.0f} GB/s per direction, other kernels free; an "
@@ -263,7 +281,7 @@ def cards_markdown(r: dict) -> str:
     lines.append(
         f"| {card} | {v['setup']} | {v['batch']} | "
         f"{v['peak_bytes'] / 1e9:.2f} | {margin / 1e9:.2f} | "
-        f"{(v['host_bytes'] + v.get('host_temp_bytes', 0)) / 1e9:.1f} | "
+        f"{host_bytes(v) / 1e9:.1f} | "
         f"{v['step_s'] / v['batch'] * 1e3:.0f} | {v['ratio']:.2f}x | "
         f"{v['same_batch_ratio']:.2f}x | "
         f"{v['floor_s'] / v['batch'] * 1e3:.0f} | "
@@ -343,8 +361,7 @@ def to_markdown(r: dict) -> str:
     hidden = lambda x: "-" if x != x else f"{100 * x:.0f}%"
     lines.append(
         f"| {name} | {v['peak_bytes'] / 1e9:.2f} | {margin(24):+.2f} | "
-        f"{margin(12):+.2f} | "
-        f"{(v['host_bytes'] + v.get('host_temp_bytes', 0)) / 1e9:.2f} | "
+        f"{margin(12):+.2f} | {host_bytes(v) / 1e9:.2f} | "
         f"{v['step_s'] * 1e3:.0f} | {v['ratio']:.2f}x | "
         f"{v['h2d_bytes'] / 1e9:.1f} ({hidden(v['h2d_hidden'])}) | "
         f"{v['d2h_bytes'] / 1e9:.1f} ({hidden(v['d2h_hidden'])}) |")
@@ -370,6 +387,16 @@ def main(argv=None) -> dict:
                       help="for each card, the setup and batch (1, 2, 4) "
                       "with the lowest modeled time per sample, to "
                       "results/streaming_cards")
+  parser.add_argument("--batch", type=int, action="append",
+                      help="with --cards: this batch only (repeat for more; "
+                      "default 1, 2 and 4)")
+  parser.add_argument("--card", type=int, action="append", metavar="GIB",
+                      help="with --cards: this card only (repeat for more; "
+                      f"default {CARDS})")
+  parser.add_argument("--max-host", type=float, metavar="GB",
+                      default=math.inf,
+                      help="with --cards: only setups whose host memory is "
+                      "at most GB (1e9 bytes)")
   parser.add_argument("--activations", action="store_true",
                       help="every block streamed at batch 2 and 4, the "
                       "saved activations on the device and in host memory, "
@@ -384,9 +411,10 @@ def main(argv=None) -> dict:
     cfg = dataclasses.replace(cfg, hidden=256, heads=2, double_blocks=2,
                               single_blocks=4, context_dim=256, vec_dim=64)
   cfg = dataclasses.replace(cfg, heads_per_chunk=2)
-  batches = (1, 2) if args.quick else (1, 2, 4)
+  batches = (1, 2) if args.quick else tuple(args.batch or (1, 2, 4))
   if args.cards:
-    rows = card_rows(cfg, args.target, batches)
+    rows = card_rows(cfg, args.target, batches, tuple(args.card or CARDS),
+                     spare=not args.one_buffer, max_host=args.max_host * 1e9)
   elif args.activations:
     rows = activation_rows(cfg, args.target)
   elif args.fit:
@@ -417,6 +445,8 @@ def main(argv=None) -> dict:
           "streaming_activations" if args.activations else
           f"streaming_fit{args.fit:g}" if args.fit else "streaming")
   r["batches"] = list(batches) if args.cards else None
+  r["max_host_gb"] = (args.max_host if args.cards and math.isfinite(
+      args.max_host) else None)
   report.save(name + (f"_{args.tag}" if args.tag else ""),
               cards_markdown(r) if args.cards else to_markdown(r), r,
               args.quick)

@@ -205,7 +205,7 @@ def test_card_search_picks_the_fastest_sample_that_fits(monkeypatch):
   # streamed; step 0.1 * batch of compute, plus 0.04 s per streamed block
   # less what the compute of a larger batch hides, plus 0.02 with host
   # residuals; the saved activations in host memory: 3 GB less a sample,
-  # 0.01 s more.
+  # 0.01 s more; host memory: 1 GB a streamed block, twice with spares.
   from benchmarks import streaming
   cfg = type("Cfg", (), {"double_blocks": 8, "single_blocks": 8})()
   compiled = []
@@ -221,7 +221,8 @@ def test_card_search_picks_the_fastest_sample_that_fits(monkeypatch):
             "activations": activations,
             "peak_bytes": (30 - k + (4 - 3 * activations) * batch
                            + 2 * (not offload)) * 1e9,
-            "host_bytes": 0, "step_s": gemm + copies, "gemm_s": gemm,
+            "host_bytes": k * 1e9 * (2 if spare else 1),
+            "step_s": gemm + copies, "gemm_s": gemm,
             "h2d_bytes": k * 1e9, "d2h_bytes": 0}
 
   monkeypatch.setattr(streaming, "compile_row", compile_row)
@@ -249,3 +250,12 @@ def test_card_search_picks_the_fastest_sample_that_fits(monkeypatch):
   assert rows["24 GiB"]["step_s"] == pytest.approx(0.45)
   assert rows["24 GiB"]["same_batch_ratio"] == pytest.approx(0.45 / 0.2)
   assert "activations in host memory" in rows["24 GiB"]["setup"]
+  # at most 10 GB of host memory: with one buffer per leaf, batch 1's 10
+  # streamed blocks (10 GB) fit it, batch 2's 14 do not
+  rows = streaming.card_rows(cfg, "h200", (1, 2), cards=(24,), spare=False,
+                             max_host=10e9)
+  assert (rows["24 GiB"]["batch"], rows["24 GiB"]["streamed"]) == (1, (2, 8))
+  assert "one buffer per leaf" in rows["24 GiB"]["setup"]
+  # batch 2 alone: batch 1 on the device is still compiled, as the reference
+  rows = streaming.card_rows(cfg, "h200", (2,), cards=(24,))
+  assert rows["24 GiB"]["ratio"] == pytest.approx(3.4)
