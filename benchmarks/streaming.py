@@ -46,6 +46,10 @@ each card (12 to 80 GiB), the setup and batch (1, 2, 4) with the lowest
 modeled time per sample that leaves 0.5 GB beside the peak and the CUDA
 context, with the step's floor (its matrix multiplies, or its PCIe bytes in
 either direction, whichever is longer), to ``results/streaming_cards``.
+``--residuals-on-device``: the residuals in host memory but the first 0, 5 or
+10 double-stream blocks' (``stream_blocks(..., residuals_on_device=)``), at
+batch 1 and 2, to ``results/streaming_residuals_on_device``. Every row also
+gives its loop floor (``Timeline.loop_floor_s``).
 Writes ``benchmarks/results/streaming{,_quick}.{md,json}``.
 """
 
@@ -88,11 +92,12 @@ def make_tx(offload: bool = True):
 
 def compile_row(cfg, target: str, batch: int, offload: bool,
                 streamed: Optional[tuple[int, ...]], spare: bool = True,
-                options: bool = True, activations: bool = False
-                ) -> dict[str, Any]:
+                options: bool = True, activations: bool = False,
+                kept: Optional[tuple[int, ...]] = None) -> dict[str, Any]:
   """One step compiled (with ``STREAMING_COMPILER_OPTIONS``, or XLA's
-  defaults; ``activations``: the blocks' saved inputs in host memory); its
-  peak and modeled time."""
+  defaults; ``activations``: the blocks' saved inputs in host memory;
+  ``kept``: ``stream_blocks``' ``residuals_on_device``); its peak and
+  modeled time."""
   mesh = gpu_compile.gpu_mesh(target)
   device = jax.NamedSharding(mesh.abstract_mesh, jax.P())
   host = jax.NamedSharding(mesh.abstract_mesh, jax.P(),
@@ -105,8 +110,9 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   state = blockwise_bench._state(tx, params, True, device,
                                  host if offload else device)
   if streamed is not None:
-    model, params, state = ok.blockwise.stream_blocks(model, params, state, streamed,
-                                            spare_buffers=spare)
+    model, params, state = ok.blockwise.stream_blocks(
+        model, params, state, streamed, spare_buffers=spare,
+        residuals_on_device=kept)
   b = jax.tree.map(sds, flux_model.batch_spec(cfg, batch, 4096, 512))
   t0 = time.perf_counter()
   compiled = gpu_compile.compile_step(
@@ -121,6 +127,7 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   row = {"batch": batch, "offload": offload, "spare": spare,
          "options": options, "activations": activations,
          "streamed": None if streamed is None else list(streamed),
+         "kept": None if kept is None else list(kept),
          "peak_bytes": peak, "temp_bytes": m.temp_size_in_bytes,
          "host_bytes": m.host_argument_size_in_bytes,
          "host_temp_bytes": m.host_temp_size_in_bytes,
@@ -338,6 +345,23 @@ def activation_rows(cfg, target: str) -> dict[str, dict]:
   return rows
 
 
+def kept_rows(cfg, target: str) -> dict[str, dict]:
+  """The residuals in host memory but for the first k double-stream
+  blocks' (``stream_blocks(..., (0, 0), residuals_on_device=(k, 0))``), at
+  batch 1 and 2, against the residuals-on-device step."""
+  rows = {}
+  for batch in (1, 2):
+    ref = rows[f"residuals on the device, batch {batch}"] = compile_row(
+        cfg, target, batch, False, None)
+    ref["ratio"] = 1.0
+    for k in (0, 5, 10):
+      row = compile_row(cfg, target, batch, True, (0, 0), kept=(k, 0))
+      row["ratio"] = row["step_s"] / ref["step_s"]
+      rows[f"residuals in host memory but the first {k} double-stream "
+           f"blocks', batch {batch}"] = row
+  return rows
+
+
 def to_markdown(r: dict) -> str:
   lines = [
       f"Compiled for {r['target_name']}, not run ({r['date']}, jax "
@@ -349,13 +373,16 @@ def to_markdown(r: dict) -> str:
       f"{timeline.PCIE / 1e9:.0f} GB/s per direction, other kernels free "
       "(an estimate); ratio to the residuals-on-device step at the same "
       "batch; hidden: the share of each direction's PCIe time that runs "
-      "beside compute. Compiled with `ok.blockwise.STREAMING_COMPILER_OPTIONS` "
+      "beside compute; loop floor: each loop iteration at the longest of its "
+      "gemms and its bytes each way (`Timeline.loop_floor_s`, what any "
+      "schedule of these loops reaches), over the same reference. Compiled "
+      "with `ok.blockwise.STREAMING_COMPILER_OPTIONS` "
       f"(`{r['compiler_options']}`) unless the row says otherwise; host GB: "
       "the step's arguments and temporaries in host memory (with spare "
       f"buffers, both buffers). XLA_FLAGS: `{r.get('xla_flags') or '(none)'}`.", "",
       "| setup | device peak GB | margin 24 GiB | margin 12 GiB | host GB | "
-      "modeled ms | ratio | H2D GB (hidden) | D2H GB (hidden) |",
-      "|---|---|---|---|---|---|---|---|---|"]
+      "modeled ms | ratio | loop floor | H2D GB (hidden) | D2H GB (hidden) |",
+      "|---|---|---|---|---|---|---|---|---|---|"]
   for name, v in r["rows"].items():
     margin = lambda gib: (gib * 2**30 - CONTEXT - v["peak_bytes"]) / 1e9
     hidden = lambda x: "-" if x != x else f"{100 * x:.0f}%"
@@ -363,6 +390,7 @@ def to_markdown(r: dict) -> str:
         f"| {name} | {v['peak_bytes'] / 1e9:.2f} | {margin(24):+.2f} | "
         f"{margin(12):+.2f} | {host_bytes(v) / 1e9:.2f} | "
         f"{v['step_s'] * 1e3:.0f} | {v['ratio']:.2f}x | "
+        f"{v['ratio'] * v['loop_floor_s'] / v['step_s']:.2f}x | "
         f"{v['h2d_bytes'] / 1e9:.1f} ({hidden(v['h2d_hidden'])}) | "
         f"{v['d2h_bytes'] / 1e9:.1f} ({hidden(v['d2h_hidden'])}) |")
   return "\n".join(lines) + "\n"
@@ -401,6 +429,10 @@ def main(argv=None) -> dict:
                       help="every block streamed at batch 2 and 4, the "
                       "saved activations on the device and in host memory, "
                       "to results/streaming_activations")
+  parser.add_argument("--residuals-on-device", action="store_true",
+                      help="the residuals in host memory but the first 0, "
+                      "5 or 10 double-stream blocks', batch 1 and 2, to "
+                      "results/streaming_residuals_on_device")
   parser.add_argument("--device-residuals", action="store_true",
                       help="with --fit: kahan(..., offload=False), the "
                       "blocks not streamed keep their residuals on the "
@@ -417,6 +449,8 @@ def main(argv=None) -> dict:
                      spare=not args.one_buffer, max_host=args.max_host * 1e9)
   elif args.activations:
     rows = activation_rows(cfg, args.target)
+  elif args.residuals_on_device:
+    rows = kept_rows(cfg, args.target)
   elif args.fit:
     d, s, row = fewest_streamed(cfg, args.target, args.fit * 1e9,
                                 not args.one_buffer,
@@ -443,6 +477,7 @@ def main(argv=None) -> dict:
   r["compiler_options"] = ok.blockwise.STREAMING_COMPILER_OPTIONS
   name = ("streaming_cards" if args.cards else
           "streaming_activations" if args.activations else
+          "streaming_residuals_on_device" if args.residuals_on_device else
           f"streaming_fit{args.fit:g}" if args.fit else "streaming")
   r["batches"] = list(batches) if args.cards else None
   r["max_host_gb"] = (args.max_host if args.cards and math.isfinite(

@@ -15,12 +15,19 @@ compiler emits (``compiled.as_text()``, compiled deviceless for an H200 by
   a host (``S(5)``) array or ``dynamic-update-slice`` into one. A transfer
   starts when the compute stream reaches its ``*-start`` and the queue is
   free; the compute stream waits at its ``*-done`` until it has finished;
+* a synchronous ``copy`` from or into host memory (XLA's copy of a whole
+  host array, which it inserts to keep a value it is about to update in
+  place) blocks the compute stream for its bytes at ``pcie_bytes_per_s``
+  (an assumption: no faster than a transfer) and is reported apart;
 * a ``while`` runs its body ``known_trip_count`` times, a ``call`` its
   computation, in place.
 
 Reported: the modeled step time, the PCIe time per direction, and the share
 of it hidden behind compute (1 - the compute stream's waits at that
-direction's ``*-done`` over its transfer time). Constants are stated with
+direction's ``*-done`` over its transfer time); and the loop floor: the step
+if each iteration of each loop (and the code outside loops, as one) took the
+longest of its compute and its bytes in either direction, what any schedule
+of these loops reaches while each iteration moves its own bytes. Constants are stated with
 each figure: these are estimates from the schedule, not measurements.
 
     from benchmarks import timeline
@@ -69,6 +76,8 @@ class Timeline:
   h2d_wait_s: float
   d2h_wait_s: float
   transfers: int
+  host_copy_bytes: int
+  loop_floor_s: float
 
   @property
   def h2d_hidden(self) -> float:
@@ -141,7 +150,7 @@ class _Model:
     self.wait = {"h2d": 0.0, "d2h": 0.0}
     self.nbytes = {"h2d": 0, "d2h": 0}
     self.gemm_s = self.flops_total = 0.0
-    self.transfers = 0
+    self.transfers = self.host_copy_bytes = 0
     self.pending: dict[str, tuple[str, float]] = {}
 
   def flops(self, comp: str) -> float:
@@ -210,17 +219,60 @@ class _Model:
         self.run(_called(i.line, "to_apply"))
       elif i.op == "conditional":
         raise ValueError(f"conditional {i.name}: not modeled")
+      elif i.op == "copy":
+        kernel = self._kernel_s(i)
+        if kernel is not None:  # a host array's
+          self.host_copy_bytes += _nbytes(i.type)
+          self.t += kernel
       elif i.op in ("fusion", "custom-call"):
-        f = self.flops(_called(i.line, "calls")) if _called(
-            i.line, "calls") else 0.0
-        if f == 0.0 and i.op == "custom-call" and "gemm" in i.line:
-          f = self._library_gemm(i)
+        f = self._gemm_flops(i)
         self.flops_total += f
         self.gemm_s += f / self.gemm_rate
-        self.t += f / self.gemm_rate
-        if self.hbm:
-          self.t += (_nbytes(i.type) + sum(
-              _nbytes(self.types.get(o, "")) for o in i.operands)) / self.hbm
+        self.t += self._kernel_s(i)
+
+  def floor(self, comp: str) -> tuple[float, int, int]:
+    """(seconds, H2D bytes, D2H bytes) of ``comp`` on the loop floor: its
+    compute, and each loop's iterations at their longest part."""
+    t, moved = 0.0, {"h2d": 0, "d2h": 0}
+    for i in self.comps[comp]:
+      kernel = self._kernel_s(i)
+      if kernel is not None:
+        t += kernel
+      elif i.op.endswith("-start") and self.transfer(i):
+        way, size = self.transfer(i)
+        moved[way] += size
+      elif i.op == "while":
+        body = self.floor(_called(i.line, "body"))
+        trips = int(re.search(r'"known_trip_count":\{"n":"(\d+)"',
+                              i.line).group(1))
+        t += trips * max(body[0], body[1] / self.pcie, body[2] / self.pcie)
+      elif i.op == "call":
+        c, h2d, d2h = self.floor(_called(i.line, "to_apply"))
+        t, moved["h2d"], moved["d2h"] = (t + c, moved["h2d"] + h2d,
+                                          moved["d2h"] + d2h)
+    return t, moved["h2d"], moved["d2h"]
+
+  def _kernel_s(self, i: Instr) -> Optional[float]:
+    """The compute stream's time for a kernel or a host array's copy."""
+    if i.op == "copy" and any(
+        host for _, _, host in _arrays(i.type) + _arrays(
+            self.types.get(i.operands[0], ""))):
+      return _nbytes(i.type) / self.pcie
+    if i.op not in ("fusion", "custom-call"):
+      return None
+    t = self._gemm_flops(i) / self.gemm_rate
+    if self.hbm:
+      t += (_nbytes(i.type) + sum(
+          _nbytes(self.types.get(o, "")) for o in i.operands)) / self.hbm
+    return t
+
+  def _gemm_flops(self, i: Instr) -> float:
+    """FLOPs of a fusion's or a library call's dots."""
+    f = self.flops(_called(i.line, "calls")) if _called(
+        i.line, "calls") else 0.0
+    if f == 0.0 and i.op == "custom-call" and "gemm" in i.line:
+      f = self._library_gemm(i)
+    return f
 
   def _library_gemm(self, i: Instr) -> float:
     """FLOPs of a cuBLAS gemm custom call, from its dot dimensions."""
@@ -247,9 +299,11 @@ def model(hlo: str, *, gemm_flops: float = GEMM_FLOPS, pcie: float = PCIE,
   """
   m = _Model(hlo, gemm_flops, pcie, hbm_bytes_per_s)
   m.run(m.entry)
+  c, h2d, d2h = m.floor(m.entry)
   end = max([m.t, *m.queue.values()])
   return Timeline(step_s=end, gemm_s=m.gemm_s, gemm_flops=m.flops_total,
                   h2d_bytes=m.nbytes["h2d"], d2h_bytes=m.nbytes["d2h"],
                   h2d_s=m.busy["h2d"], d2h_s=m.busy["d2h"],
                   h2d_wait_s=m.wait["h2d"], d2h_wait_s=m.wait["d2h"],
-                  transfers=m.transfers)
+                  transfers=m.transfers, host_copy_bytes=m.host_copy_bytes,
+                  loop_floor_s=max(c, h2d / m.pcie, d2h / m.pcie))

@@ -142,6 +142,45 @@ def test_residuals_kept_on_the_device_for_the_blocks_not_streamed():
   _assert_stacks_equal(smodel, got, want)
 
 
+def test_residuals_on_device_keeps_the_first_blocks_state_on_the_device():
+  """``residuals_on_device``: the first blocks of a stack keep their
+  residuals on the device, the next ones in host memory (with spares), the
+  streamed ones with their weights; the same step, bit for bit."""
+  tx = ok.kahan(optax.adamw(1e-3))
+  params = init_params(jnp.bfloat16)
+  state = ok.blockwise.blockwise_init(tx, params)
+  with pytest.raises(ValueError, match=r"residuals_on_device\[0\] = 3, but "
+                     "stack 0 has 2 blocks not streamed"):
+    ok.blockwise.stream_blocks(MODEL, params, state, (1, 0),
+                               residuals_on_device=(3, 0))
+  with pytest.raises(ValueError, match=r"residuals_on_device must be a tuple "
+                     "of 2 ints"):
+    ok.blockwise.stream_blocks(MODEL, params, state, (1, 0),
+                               residuals_on_device=(True, 0))
+  on_device = ok.kahan(optax.adamw(1e-3), offload=False)
+  with pytest.warns(UserWarning, match=r"residuals_on_device\[1\] = 1 moves "
+                    "nothing"):
+    ok.blockwise.stream_blocks(
+        MODEL, params, ok.blockwise.blockwise_init(on_device, params), (1, 0),
+        residuals_on_device=(0, 1))
+  want = _run(MODEL, tx, jax.tree.map(jnp.copy, params),
+              jax.tree.map(jnp.copy, state), 3, jnp.bfloat16)
+  smodel, sparams, sstate = ok.blockwise.stream_blocks(
+      MODEL, params, state, (1, 0), residuals_on_device=(1, 2))
+  # double stack: block 0 all on the device, block 1 its residuals in host
+  # memory, block 2 streamed; the single stack all on the device
+  assert [ok.blockwise.num_blocks(x) for x in sparams.stacks] == [1, 1, 1, 2]
+  kinds = lambda t: {x.sharding.memory_kind for x in jax.tree.leaves(t)}
+  assert [kinds(ok.blockwise.front_buffers(ok.kahan_residuals(x)))
+          for x in sstate.stacks] == [{"device"}, {"pinned_host"},
+                                      {"pinned_host"}, {"device"}]
+  assert [kinds(x) for x in sparams.stacks] == [
+      {"device"}, {"device"}, {"pinned_host"}, {"device"}]
+  got = _run(smodel, tx, sparams, sstate, 3, jnp.bfloat16)
+  assert got[0] == want[0]
+  _assert_stacks_equal(smodel, got, want)
+
+
 @pytest.mark.slow  # 15 s
 def test_streamed_prodigy_keeps_its_lagged_d():
   tx = ok.kahan(ok.prodigy_factored(lagged_d=True))

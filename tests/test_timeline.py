@@ -68,3 +68,29 @@ def test_a_copy_longer_than_its_gemm_is_partly_exposed():
   assert t.h2d_wait_s == pytest.approx(9.0)
   assert t.h2d_hidden == pytest.approx(1 - 9 / 12)
   assert t.step_s == pytest.approx(3 * 4.0 + 4.0)
+
+
+def test_a_copy_of_a_host_array_blocks_the_compute_stream():
+  # XLA's copy of a whole host array (to keep a value it updates in place):
+  # 2 MB at the PCIe rate, on the compute stream, reported apart
+  hlo = """HloModule c, is_scheduled=true
+
+ENTRY %main (h: u16[1024,1024]) -> u16[1024,1024] {
+  %h = u16[1024,1024]{1,0:S(5)} parameter(0)
+  ROOT %c = u16[1024,1024]{1,0:S(5)} copy(%h)
+}
+"""
+  t = timeline.model(hlo, gemm_flops=FLOPS, pcie=2 * BYTES)
+  assert t.host_copy_bytes == BYTES and t.transfers == 0
+  assert t.step_s == pytest.approx(0.5)
+  assert timeline.model(HLO, gemm_flops=FLOPS, pcie=2 * BYTES
+                        ).host_copy_bytes == 0
+
+
+def test_the_loop_floor_takes_each_iteration_at_its_longest_part():
+  # gemm 1 s, copy in 0.5 s per iteration: 3 s, the copy out (outside the
+  # loop) hidden; copy in 4 s: 12 s, below the modeled 16 s
+  assert timeline.model(HLO, gemm_flops=FLOPS, pcie=2 * BYTES
+                        ).loop_floor_s == pytest.approx(3.0)
+  assert timeline.model(HLO, gemm_flops=FLOPS, pcie=BYTES / 4
+                        ).loop_floor_s == pytest.approx(12.0)

@@ -122,9 +122,23 @@ def _part(x: Any, start: int, stop: int, kind: Optional[str]) -> Any:
   return part
 
 
+def _counts(name: str, value: Any, counts: list[int], what: str
+            ) -> tuple[int, ...]:
+  """``value``, a tuple of one int per stack, or an error saying ``what``."""
+  if (not isinstance(value, (tuple, list)) or len(value) != len(counts)
+      or not all(isinstance(k, int) and not isinstance(k, bool)
+                 for k in value)):
+    raise ValueError(
+        f"stream_blocks: {name} must be a tuple of {len(counts)} ints, one "
+        f"per stack (blocks per stack: {tuple(counts)}): {what}; got "
+        f"{value!r}")
+  return tuple(value)
+
+
 def stream_blocks(
     model: BlockwiseModel, params: BlockwiseParams, state: BlockwiseState,
     num_streamed: Sequence[int], *, spare_buffers: bool = True,
+    residuals_on_device: Optional[Sequence[int]] = None,
 ) -> tuple[BlockwiseModel, BlockwiseParams, BlockwiseState]:
   """Moves the last blocks of each stack, weights and state, to host memory.
 
@@ -160,6 +174,10 @@ def stream_blocks(
     spare_buffers: give every stacked host leaf a ``DoubleBuffer``, so the
       copies hide behind the compute, at twice the host memory streamed.
       False: each fetch waits for its leaf's write-back.
+    residuals_on_device: per stack, how many of its first blocks (none of
+      them streamed) keep their whole state, ``kahan``'s offloaded residuals
+      included, on the device: where a block's residuals cross PCIe in more
+      time than its backward computes (default: none).
 
   Returns:
     ``(model, params, state)``, split stacks joined by ``continue_stack``.
@@ -174,32 +192,41 @@ def stream_blocks(
   check_not_doubled((params, state), "stream_blocks",
                      "join the stacks first (join_stacks)")
   counts = [num_blocks(stack) for stack in params.stacks]
-  if (not isinstance(num_streamed, (tuple, list))
-      or len(num_streamed) != len(counts)
-      or not all(isinstance(k, int) for k in num_streamed)):
-    raise ValueError(
-        f"stream_blocks: num_streamed must be a tuple of {len(counts)} ints, "
-        f"one per stack (blocks per stack: {tuple(counts)}): how many of each "
-        f"stack's last blocks to stream, e.g. {tuple(counts)} for all of "
-        f"them; got {num_streamed!r}")
+  num_streamed = _counts(
+      "num_streamed", num_streamed, counts, "how many of each stack's last "
+      f"blocks to stream, e.g. {tuple(counts)} for all of them")
   if len(state.stacks) != len(counts):
     raise ValueError(
         f"stream_blocks: state has {len(state.stacks)} stacks and params "
         f"{len(counts)}: give the state blockwise_init made for these params")
+  kept = (0,) * len(counts) if residuals_on_device is None else _counts(
+      "residuals_on_device", residuals_on_device, counts,
+      "how many of each stack's first blocks keep their state on the device")
   blocks, transitions, stacks, states = [], [], [], []
-  for s, (k, stack, stack_state) in enumerate(
-      zip(num_streamed, params.stacks, state.stacks)):
+  for s, (k, d, stack, stack_state) in enumerate(
+      zip(num_streamed, kept, params.stacks, state.stacks)):
     n = num_blocks(stack)
     if not 0 <= k <= n:
       raise ValueError(f"stream_blocks: num_streamed[{s}] = {k}, but stack "
                        f"{s} has {n} blocks")
-    parts = [(a, b) for a, b in ((0, n - k), (n - k, n)) if a < b]
+    if not 0 <= d <= n - k:
+      raise ValueError(
+          f"stream_blocks: residuals_on_device[{s}] = {d}, but stack {s} "
+          f"has {n - k} blocks not streamed")
+    if d and not any(placement.in_host_memory(x)
+                     for x in jax.tree.leaves(stack_state)):
+      validation.warn(
+          f"stream_blocks: residuals_on_device[{s}] = {d} moves nothing: "
+          f"stack {s}'s state is on the device already (kahan(..., "
+          "offload=False))", stacklevel=2)
+    parts = [(a, b) for a, b in ((0, d), (d, n - k), (n - k, n)) if a < b]
     for j, (a, b) in enumerate(parts):
       if blocks:  # what runs between this part and the one before it
         transitions.append(continue_stack if j else model.transition(s - 1))
-      streamed = a == n - k
-      def place(x, kind=None):  # used at once: a, b, streamed are current
-        y = _part(x, a, b, "pinned_host" if streamed else kind)
+      # streamed: in host memory; the first d blocks: on the device
+      where = "pinned_host" if a == n - k else ("device" if b <= d else None)
+      def place(x, kind=None):  # used at once: a, b, where are current
+        y = _part(x, a, b, where or kind)
         if spare_buffers and placement.in_host_memory(y):
           return DoubleBuffer(y, _spare(y))
         return y

@@ -1,0 +1,74 @@
+"""benchmarks.host_buffers: the host layouts of a streamed stack.
+
+Each layout's loop is run on the CPU (host memory is bookkeeping there) and
+must compute what the spare-buffer loop computes, bit for bit; the compiled
+H200 programs (deviceless) must show what the docs say of them.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import host_buffers
+from tests.test_gpu_compile import ROOT
+from tests.test_gpu_compile import _run_module
+
+
+def test_every_layout_computes_what_the_spare_buffers_compute():
+  n, d = 9, 8
+  key = jax.random.key(0)
+  w = jax.random.normal(key, (n, d, d), jnp.bfloat16) / 4
+  a = jax.random.normal(jax.random.key(1), (d, d), jnp.bfloat16)
+  host = lambda x: jax.device_put(x, jax.memory.Space.Host)
+  thirds = lambda x: [host(x[r::3]) for r in range(3)]
+  results = {}
+  for name, (loop, whole, parts) in host_buffers.layouts(n).items():
+    args = ([host(w)] * whole + thirds(w) * (parts // 3)) + [a]
+    out = jax.jit(loop)(*args)
+    if whole == 2:  # the read buffer, the written one, a
+      stack = out[1]
+    elif whole == 1:
+      stack = out[0]
+    else:  # blocks i in array i % 3
+      stack = np.empty((n, d, d), np.float32)
+      for r in range(3):
+        stack[r::3] = np.asarray(out[r], np.float32)
+    results[name] = (np.asarray(stack, np.float32),
+                     np.asarray(out[-1], np.float32))
+  want = results["spare"]
+  assert not np.array_equal(want[0], np.asarray(w, np.float32))
+  for name, (stack, act) in results.items():
+    np.testing.assert_array_equal(stack, want[0], err_msg=name)
+    np.testing.assert_array_equal(act, want[1], err_msg=name)
+
+
+@pytest.mark.slow  # 15 s
+def test_only_the_spare_buffers_hide_both_directions_in_the_gpu_program():
+  _run_module("benchmarks.host_buffers", "--tag", "quick")
+  with open(os.path.join(ROOT, "benchmarks", "results",
+                         "host_buffers_quick.json")) as f:
+    rows = json.load(f)["rows"]
+  ram = {k: v["host_bytes"] / v["stack_bytes"] for k, v in rows.items()}
+  spare = rows["spare"]
+  assert ram["spare"] == 2 and spare["host_copy_bytes"] == 0
+  assert min(spare["h2d_hidden"], spare["d2h_hidden"]) > 0.9
+  # one buffer: the write-back waits for nothing, the fetch after it is
+  # not hidden ...
+  after = rows["one buffer, fetch after the write"]
+  assert ram["one buffer, fetch after the write"] == 1
+  assert after["d2h_hidden"] < 0.1 and after["step_s"] > 1.3 * spare["step_s"]
+  # ... or XLA copies the whole array to keep the old one
+  assert rows["one buffer, fetch before the write"]["host_copy_bytes"] > (
+      spare["stack_bytes"])
+  assert rows["three arrays rotated in the loop"]["host_copy_bytes"] > (
+      spare["stack_bytes"])
+  # three arrays unrolled: one copy, no array copied, but the fetches run
+  # late in the unrolled body
+  lanes = rows["three interleaved arrays, unrolled by three"]
+  assert ram["three interleaved arrays, unrolled by three"] == 1
+  assert lanes["host_copy_bytes"] == 0
+  assert lanes["h2d_hidden"] < 0.5 and lanes["step_s"] > 1.2 * spare["step_s"]
