@@ -45,8 +45,6 @@ if __name__ == "__main__":  # before jax is imported: no CUDA driver is touched
 
 import argparse
 import datetime
-import json
-import pathlib
 from typing import Any, Callable
 
 import jax
@@ -55,9 +53,9 @@ from jax import lax
 
 import optax_kahan as ok
 from benchmarks import gpu_compile
+from benchmarks import report
 from benchmarks import timeline
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 GEMMS = 7  # per block
 
 
@@ -251,11 +249,8 @@ def main(argv=None) -> dict:
   r = {"target_name": mesh.devices.flat[0].device_kind,
        "jax": jax.__version__, "date": datetime.date.today().isoformat(),
        "n": args.n, "d": d, "rows": rows}
-  md = to_markdown(r)
-  print(md)
-  name = "host_buffers" + (f"_{args.tag}" if args.tag else "")
-  (RESULTS / f"{name}.md").write_text(md)
-  (RESULTS / f"{name}.json").write_text(json.dumps(r, indent=1))
+  report.save("host_buffers" + (f"_{args.tag}" if args.tag else ""),
+              to_markdown(r), r)
   return r
 
 

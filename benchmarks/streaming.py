@@ -278,11 +278,13 @@ def cards_markdown(r: dict) -> str:
       "residuals-on-device step at batch 1, per sample; same batch: to the "
       "residuals-on-device step at the row's batch; host: its arguments "
       "and temporaries in host memory; floor: the longest of the matrix "
-      "multiplies and each PCIe direction's bytes.", "",
+      "multiplies and each PCIe direction's bytes; loop floor: each loop "
+      "iteration at the longest of its gemms and its bytes each way "
+      "(`Timeline.loop_floor_s`), over the same batch's reference.", "",
       "| card | setup | batch | device peak GB | margin GB | host GB | "
       "modeled ms per sample | ratio | same batch | floor ms per sample | "
-      "modeled / floor |",
-      "|---|---|---|---|---|---|---|---|---|---|---|"]
+      "modeled / floor | loop floor |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for card, v in r["rows"].items():
     margin = v["card_gib"] * 2**30 - CONTEXT - v["peak_bytes"]
     lines.append(
@@ -292,7 +294,8 @@ def cards_markdown(r: dict) -> str:
         f"{v['step_s'] / v['batch'] * 1e3:.0f} | {v['ratio']:.2f}x | "
         f"{v['same_batch_ratio']:.2f}x | "
         f"{v['floor_s'] / v['batch'] * 1e3:.0f} | "
-        f"{v['step_s'] / v['floor_s']:.2f}x |")
+        f"{v['step_s'] / v['floor_s']:.2f}x | "
+        f"{v['same_batch_ratio'] * v['loop_floor_s'] / v['step_s']:.2f}x |")
   return "\n".join(lines) + "\n"
 
 

@@ -27,8 +27,9 @@ of it hidden behind compute (1 - the compute stream's waits at that
 direction's ``*-done`` over its transfer time); and the loop floor: the step
 if each iteration of each loop (and the code outside loops, as one) took the
 longest of its compute and its bytes in either direction, what any schedule
-of these loops reaches while each iteration moves its own bytes. Constants are stated with
-each figure: these are estimates from the schedule, not measurements.
+of these loops reaches while each iteration moves its own bytes. Constants
+are stated with each figure: these are estimates from the schedule, not
+measurements.
 
     from benchmarks import timeline
     t = timeline.model(compiled.as_text())   # a Timeline
@@ -136,6 +137,13 @@ def _called(line: str, key: str) -> Optional[str]:
   return m.group(1) if m else None
 
 
+def _trips(i: Instr) -> int:
+  m = re.search(r'"known_trip_count":\{"n":"(\d+)"', i.line)
+  if not m:
+    raise ValueError(f"while {i.name} has no known trip count")
+  return int(m.group(1))
+
+
 class _Model:
 
   def __init__(self, hlo: str, gemm_flops: float, pcie: float,
@@ -210,10 +218,7 @@ class _Model:
             self.wait[way] += end - self.t
             self.t = end
       elif i.op == "while":
-        m = re.search(r'"known_trip_count":\{"n":"(\d+)"', i.line)
-        if not m:
-          raise ValueError(f"while {i.name} has no known trip count")
-        for _ in range(int(m.group(1))):
+        for _ in range(_trips(i)):
           self.run(_called(i.line, "body"))
       elif i.op == "call":
         self.run(_called(i.line, "to_apply"))
@@ -236,20 +241,19 @@ class _Model:
     t, moved = 0.0, {"h2d": 0, "d2h": 0}
     for i in self.comps[comp]:
       kernel = self._kernel_s(i)
+      transfer = self.transfer(i) if i.op.endswith("-start") else None
       if kernel is not None:
         t += kernel
-      elif i.op.endswith("-start") and self.transfer(i):
-        way, size = self.transfer(i)
-        moved[way] += size
+      elif transfer:
+        moved[transfer[0]] += transfer[1]
       elif i.op == "while":
-        body = self.floor(_called(i.line, "body"))
-        trips = int(re.search(r'"known_trip_count":\{"n":"(\d+)"',
-                              i.line).group(1))
-        t += trips * max(body[0], body[1] / self.pcie, body[2] / self.pcie)
+        c, h2d, d2h = self.floor(_called(i.line, "body"))
+        t += _trips(i) * max(c, h2d / self.pcie, d2h / self.pcie)
       elif i.op == "call":
         c, h2d, d2h = self.floor(_called(i.line, "to_apply"))
-        t, moved["h2d"], moved["d2h"] = (t + c, moved["h2d"] + h2d,
-                                          moved["d2h"] + d2h)
+        t += c
+        moved["h2d"] += h2d
+        moved["d2h"] += d2h
     return t, moved["h2d"], moved["d2h"]
 
   def _kernel_s(self, i: Instr) -> Optional[float]:

@@ -25,22 +25,9 @@ from optax_kahan._src.per_block import block_axes_of
 from optax_kahan._src.per_block import per_block
 
 __all__ = (
-    "BlockwiseModel",
-    "BlockwiseParams",
-    "BlockwiseState",
-    "DoubleBuffer",
-    "STREAMING_COMPILER_OPTIONS",
-    "block_axes_of",
-    "blockwise_init",
-    "blockwise_loss",
-    "blockwise_step",
-    "continue_stack",
-    "front_buffers",
-    "join_stacks",
-    "linen_apply",
-    "nnx_blockwise",
-    "num_blocks",
-    "per_block",
-    "stream_blocks",
-    "with_front_buffers",
+    "BlockwiseModel", "BlockwiseParams", "BlockwiseState", "DoubleBuffer",
+    "STREAMING_COMPILER_OPTIONS", "block_axes_of", "blockwise_init",
+    "blockwise_loss", "blockwise_step", "continue_stack", "front_buffers",
+    "join_stacks", "linen_apply", "nnx_blockwise", "num_blocks", "per_block",
+    "stream_blocks", "with_front_buffers",
 )

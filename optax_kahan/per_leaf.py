@@ -17,13 +17,6 @@ from optax_kahan._src.per_leaf import transformation
 from optax_kahan._src.traced import stages_of
 
 __all__ = (
-    "LateSums",
-    "LeafStages",
-    "Round",
-    "apply_if_finite",
-    "chain",
-    "clip_by_global_norm",
-    "for_each_leaf",
-    "stages_of",
-    "transformation",
+    "LateSums", "LeafStages", "Round", "apply_if_finite", "chain",
+    "clip_by_global_norm", "for_each_leaf", "stages_of", "transformation",
 )

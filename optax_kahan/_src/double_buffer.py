@@ -60,7 +60,8 @@ def front_buffers(tree: Any) -> Any:
                       is_leaf=is_double)
 
 
-def check_not_doubled(tree: Any, what: str, arg: str) -> None:
+def check_not_doubled(tree: Any, what: str, arg: str,
+                      instead: str = "") -> None:
   """Refuses a ``DoubleBuffer`` in ``tree``: ``what`` takes plain arrays."""
   for path, x in jax.tree_util.tree_flatten_with_path(
       tree, is_leaf=is_double)[0]:
@@ -68,4 +69,5 @@ def check_not_doubled(tree: Any, what: str, arg: str) -> None:
       raise ValueError(
           f"{what}: {arg} leaf {jax.tree_util.keystr(path)} is a "
           "DoubleBuffer (a streamed layout from stream_blocks), whose spare "
-          f"half means nothing; pass ok.blockwise.front_buffers({arg})")
+          "half means nothing here; "
+          + (instead or f"pass ok.blockwise.front_buffers({arg})"))

@@ -31,8 +31,8 @@ from optax_kahan._src.blockwise.model import check_params
 from optax_kahan._src.blockwise.model import check_stacks
 from optax_kahan._src.blockwise.model import num_blocks
 from optax_kahan._src.blockwise import pipeline
-from optax_kahan._src.blockwise.streaming import check_not_doubled
 from optax_kahan._src.blockwise.streaming import flip
+from optax_kahan._src.double_buffer import check_not_doubled
 from optax_kahan._src.double_buffer import front_buffers
 from optax_kahan._src.double_buffer import is_double
 from optax_kahan._src.kahan import no_step_counter
@@ -60,9 +60,8 @@ def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
   """
   validation.check_transformation("blockwise_init", "tx", tx)
   check_stacks(params)
-  check_not_doubled((params, args), "blockwise_init",
-                     "initialize before stream_blocks, or pass "
-                     "front_buffers(params)")
+  check_not_doubled((params, args), "blockwise_init", "(params, *args)",
+                    "initialize before stream_blocks")
   for i, tree in enumerate(args):
     if not isinstance(tree, BlockwiseParams):
       raise TypeError(f"blockwise_init's argument {i + 2} must be a "

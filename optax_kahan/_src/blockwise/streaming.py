@@ -20,6 +20,7 @@ from optax_kahan._src.blockwise.model import check_params
 from optax_kahan._src.blockwise.model import continue_stack
 from optax_kahan._src.blockwise.model import num_blocks
 from optax_kahan._src.double_buffer import DoubleBuffer
+from optax_kahan._src.double_buffer import check_not_doubled
 from optax_kahan._src.double_buffer import front_buffers
 from optax_kahan._src.double_buffer import is_double as _is_double
 
@@ -89,15 +90,6 @@ def flip(tree: Any, new: Any) -> Any:
                       new, is_leaf=_is_double)
 
 
-def check_not_doubled(tree: Any, what: str, instead: str) -> None:
-  for path, x in jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=_is_double)[0]:
-    if _is_double(x):
-      raise ValueError(
-          f"{what}: {jax.tree_util.keystr(path)} is a DoubleBuffer "
-          f"(stream_blocks' layout already); {instead}")
-
-
 def _spare(x: Any) -> Any:
   """A second host buffer like ``x`` (its contents never read)."""
   if isinstance(x, jax.ShapeDtypeStruct):
@@ -122,16 +114,19 @@ def _part(x: Any, start: int, stop: int, kind: Optional[str]) -> Any:
   return part
 
 
-def _counts(name: str, value: Any, counts: list[int], what: str
-            ) -> tuple[int, ...]:
-  """``value``, a tuple of one int per stack, or an error saying ``what``."""
-  if (not isinstance(value, (tuple, list)) or len(value) != len(counts)
-      or not all(isinstance(k, int) and not isinstance(k, bool)
-                 for k in value)):
+def _counts(name: str, value: Any, limits: list[int], what: str,
+            unit: str = "blocks") -> tuple[int, ...]:
+  """``value``: an int per stack, from 0 to its limit; or an error."""
+  if (not isinstance(value, (tuple, list)) or len(value) != len(limits)
+      or not all(type(k) is int for k in value)):
     raise ValueError(
-        f"stream_blocks: {name} must be a tuple of {len(counts)} ints, one "
-        f"per stack (blocks per stack: {tuple(counts)}): {what}; got "
+        f"stream_blocks: {name} must be a tuple of {len(limits)} ints, one "
+        f"per stack ({unit} per stack: {tuple(limits)}): {what}; got "
         f"{value!r}")
+  for s, (k, limit) in enumerate(zip(value, limits)):
+    if not 0 <= k <= limit:
+      raise ValueError(f"stream_blocks: {name}[{s}] = {k}, but stack {s} "
+                       f"has {limit} {unit}")
   return tuple(value)
 
 
@@ -189,8 +184,8 @@ def stream_blocks(
   if not isinstance(state, BlockwiseState):
     raise TypeError(f"stream_blocks: state must be the BlockwiseState "
                     f"blockwise_init made, got {type(state).__name__}")
-  check_not_doubled((params, state), "stream_blocks",
-                     "join the stacks first (join_stacks)")
+  check_not_doubled((params, state), "stream_blocks", "(params, state)",
+                    "join the stacks first (join_stacks)")
   counts = [num_blocks(stack) for stack in params.stacks]
   num_streamed = _counts(
       "num_streamed", num_streamed, counts, "how many of each stack's last "
@@ -200,25 +195,19 @@ def stream_blocks(
         f"stream_blocks: state has {len(state.stacks)} stacks and params "
         f"{len(counts)}: give the state blockwise_init made for these params")
   kept = (0,) * len(counts) if residuals_on_device is None else _counts(
-      "residuals_on_device", residuals_on_device, counts,
-      "how many of each stack's first blocks keep their state on the device")
+      "residuals_on_device", residuals_on_device,
+      [n - k for n, k in zip(counts, num_streamed)], "how many of each "
+      "stack's first blocks keep their state on the device",
+      "blocks not streamed")
   blocks, transitions, stacks, states = [], [], [], []
   for s, (k, d, stack, stack_state) in enumerate(
       zip(num_streamed, kept, params.stacks, state.stacks)):
     n = num_blocks(stack)
-    if not 0 <= k <= n:
-      raise ValueError(f"stream_blocks: num_streamed[{s}] = {k}, but stack "
-                       f"{s} has {n} blocks")
-    if not 0 <= d <= n - k:
-      raise ValueError(
-          f"stream_blocks: residuals_on_device[{s}] = {d}, but stack {s} "
-          f"has {n - k} blocks not streamed")
-    if d and not any(placement.in_host_memory(x)
-                     for x in jax.tree.leaves(stack_state)):
-      validation.warn(
-          f"stream_blocks: residuals_on_device[{s}] = {d} moves nothing: "
-          f"stack {s}'s state is on the device already (kahan(..., "
-          "offload=False))", stacklevel=2)
+    if d and not any(map(placement.in_host_memory, jax.tree.leaves(
+        stack_state))):
+      validation.warn(f"stream_blocks: residuals_on_device[{s}] = {d} moves "
+                      f"nothing: stack {s}'s state is on the device already "
+                      "(kahan(..., offload=False))", stacklevel=2)
     parts = [(a, b) for a, b in ((0, d), (d, n - k), (n - k, n)) if a < b]
     for j, (a, b) in enumerate(parts):
       if blocks:  # what runs between this part and the one before it
