@@ -304,6 +304,7 @@ DERIVED = {
     # a card's margin: its GiB, less 0.5 GB of CUDA context, less the peak
     "2.13 GB": 32 * GIB - 0.5 - 31.73,
     "17.65 GB": 48 * GIB - 0.5 - 33.39,
+    "10.49 GB": 48 * GIB - 0.5 - 40.55,
     "29.70 GB": 80 * GIB - 0.5 - 55.70,
     # the saved activations' bytes over PCIe, in and out (batch 4)
     "6.7 GB": 85.2 - 78.5,

@@ -181,14 +181,17 @@ def test_residuals_on_device_keeps_the_first_blocks_state_on_the_device():
   _assert_stacks_equal(smodel, got, want)
 
 
-@pytest.mark.slow  # 15 s
-def test_streamed_prodigy_keeps_its_lagged_d():
+@pytest.mark.slow  # 15 s each
+@pytest.mark.parametrize("num_streamed, kept", [((3, 1), None),
+                                                ((1, 0), (1, 1))])
+def test_streamed_prodigy_keeps_its_lagged_d(num_streamed, kept):
   tx = ok.kahan(ok.prodigy_factored(lagged_d=True))
   params = init_params(jnp.bfloat16)
   state = ok.blockwise.blockwise_init(tx, params)
   want = _run(MODEL, tx, jax.tree.map(jnp.copy, params),
               jax.tree.map(jnp.copy, state), 3, jnp.bfloat16)
-  smodel, sparams, sstate = ok.blockwise.stream_blocks(MODEL, params, state, (3, 1))
+  smodel, sparams, sstate = ok.blockwise.stream_blocks(
+      MODEL, params, state, num_streamed, residuals_on_device=kept)
   got = _run(smodel, tx, sparams, sstate, 3, jnp.bfloat16)
   assert got[0] == want[0]
   np.testing.assert_array_equal(ok.prodigy_d(got[2].head),
