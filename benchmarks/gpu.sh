@@ -5,7 +5,8 @@
 #      offload against plain bf16, step-time ratio, device/host bytes from
 #      compiled.memory_analysis() and the peak device memory of each setup;
 #   3. the blockwise FLUX.1-dev step at 4 + 8 blocks (benchmarks/stream_gpu.py):
-#      residuals on the device, in host memory, every block streamed, and that
+#      residuals on the device, in host memory, in host memory but half the
+#      double blocks' (residuals_on_device), every block streamed, and that
 #      with the activations in host memory;
 #      measured peak and step-time ratios against the compiled peak and the
 #      timeline model.
