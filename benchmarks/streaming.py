@@ -312,6 +312,8 @@ def rows_for(cfg, target: str, quick: bool, spare: bool = True
         compile_row(cfg, target, batch, True, (0, 0)))
   layout = "spare buffers" if spare else "one buffer per leaf"
   if quick:
+    rows["residuals in host memory but the first double-stream block's, "
+         "batch 1"] = compile_row(cfg, target, 1, True, (0, 0), kept=(1, 0))
     rows[f"1 + 2 blocks streamed, {layout}, batch 1"] = compile_row(
         cfg, target, 1, True, (1, 2), spare)
     rows[f"1 + 2 blocks streamed, {layout}, activations in host memory, "

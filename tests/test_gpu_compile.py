@@ -177,6 +177,17 @@ def test_streaming_quick_models_every_setup():
   # updated once outside the loop, have none)
   assert one["host_bytes"] < plain["host_bytes"] < 2 * one["host_bytes"]
   assert streamed["h2d_bytes"] > plain["h2d_bytes"]
+  # the first double-stream block's residuals kept on the device: fewer
+  # bytes each way, less host memory, a larger device peak
+  kept = rows["residuals in host memory but the first double-stream "
+              "block's, batch 1"]
+  assert kept["h2d_bytes"] < plain["h2d_bytes"]
+  assert kept["d2h_bytes"] < plain["d2h_bytes"]
+  assert kept["host_bytes"] < plain["host_bytes"]
+  assert kept["peak_bytes"] > plain["peak_bytes"]
+  for row in rows.values():  # (sums in another order: a rounding's slack)
+    assert (row["gemm_s"] <= row["loop_floor_s"] * (1 + 1e-9)
+            and row["loop_floor_s"] <= row["step_s"] * (1 + 1e-9))
   # the blocks' saved inputs (4608 tokens x 256 in bf16 each) cross both
   # ways, in host memory: at least the single-stream blocks' (XLA keeps the
   # saved input of a one-block part, here each double-stream one, on the
