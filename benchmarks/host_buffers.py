@@ -25,7 +25,14 @@ earlier back (one behind). The layouts:
   unrolled by three, so a fetch and a write-back never touch one array in
   one iteration; one copy of the stack;
 * ``three arrays rotated``: the same three arrays, not unrolled: the loop
-  carries them rotated by one each iteration.
+  carries them rotated by one each iteration;
+* ``one buffer, the write after the fetch completes``: the fetch before the
+  write-back, which an ``optimization_barrier`` orders after it.
+
+And the handoff between a streamed step's loops: two stacks' spare-buffer
+loops one after the other, as written (each loop's first fetch and last
+write-back outside it) and with each loop's first and last iterations
+peeled out of the while loop.
 
 Compiled deviceless (nothing runs), with the streamed step's compiler
 options. Read from each program: host memory (arguments and temporaries),
@@ -82,26 +89,41 @@ def _put(x, v, i):
   return lax.dynamic_update_index_in_dim(x, _host(v), i, 0)
 
 
-def _one_array(n: int, spare: bool, fetch_first: bool) -> Callable:
-  """The loop over one host array, or a read array and a spare."""
+def _one_array(n: int, spare: bool, fetch_first: bool, ordered: bool = False,
+               peel: bool = False) -> Callable:
+  """The loop over one host array, or a read array and a spare; ``ordered``:
+  the write-back waits for the fetch (an ``optimization_barrier``); ``peel``:
+  the first iteration (no write-back) and the last (no fetch) outside the
+  while loop, which otherwise writes back block ``n - 1``'s old values
+  first and fetches block 0 twice."""
   last = n - 1
 
   def loop(read, written, a):
-    def body(j, carry):
+    def body(j, carry, write=True, fetch=True):
       written, a, staged, pending = carry
       i = last - j
-      fetch = lambda x: _device(_at(x, jnp.maximum(i - 1, 0)))
-      if fetch_first:
-        ahead = fetch(read if spare else written)
-      written = _put(written, pending, jnp.minimum(i + 1, last))
-      if not fetch_first:
-        ahead = fetch(read if spare else written)
+      ahead = staged
+      get = lambda x: _device(_at(x, jnp.maximum(i - 1, 0)))
+      if fetch_first and fetch:
+        ahead = get(read if spare else written)
+        if ordered:
+          written, ahead = lax.optimization_barrier((written, ahead))
+      if write:
+        written = _put(written, pending, jnp.minimum(i + 1, last))
+      if not fetch_first and fetch:
+        ahead = get(read if spare else written)
       new, a = _block(staged, a)
       return written, a, ahead, new
 
     staged = _device(read[last])  # also the first write-back's old values
-    written, a, _, pending = lax.fori_loop(0, n, body,
-                                           (written, a, staged, staged))
+    carry = (written, a, staged, staged)
+    if peel:
+      carry = body(0, carry, write=False)
+      carry = lax.fori_loop(1, last, body, carry)
+      carry = body(last, carry, fetch=False)
+    else:
+      carry = lax.fori_loop(0, n, body, carry)
+    written, a, _, pending = carry
     return _put(written, pending, 0), a
 
   if spare:  # both buffers come back, as blockwise_step returns a pair
@@ -182,9 +204,25 @@ def layouts(n: int) -> dict[str, tuple[Callable, int, int]]:
       "spare": (_one_array(n, True, False), 2, 0),
       "one buffer, fetch after the write": (_one_array(n, False, False), 1, 0),
       "one buffer, fetch before the write": (_one_array(n, False, True), 1, 0),
+      "one buffer, the write after the fetch completes": (
+          _one_array(n, False, True, ordered=True), 1, 0),
       "three interleaved arrays, unrolled by three": (_interleaved(n), 0, 3),
       "three arrays rotated in the loop": (_rotated(n), 0, 3),
   }
+
+
+def two_stacks(n: int) -> dict[str, Callable]:
+  """name: two stacks' spare-buffer loops, one after the other, as a
+  streamed step's parts (each loop's first fetch and last write-back are
+  outside it), or with each loop's first and last iterations peeled."""
+  def twice(loop):
+    def both(r1, w1, r2, w2, a):
+      r1, w1, a = loop(r1, w1, a)
+      return (r1, w1, *loop(r2, w2, a))
+    return both
+  return {"two loops": twice(_one_array(n, True, False)),
+          "two loops, first and last iterations peeled": twice(
+              _one_array(n, True, False, peel=True))}
 
 
 def compile_layout(mesh, loop: Callable, whole: int, thirds: int, n: int,
@@ -226,6 +264,19 @@ def to_markdown(r: dict) -> str:
         f"{v['step_s'] * 1e3:.1f} | {v['step_s'] / v['gemm_s']:.2f}x | "
         f"{round(100 * v['h2d_hidden'])}% | {round(100 * v['d2h_hidden'])}% | "
         f"{v['host_copy_bytes'] / 1e9:.1f} |")
+  lines += [
+      "", f"Two stacks of {r['n'] // 2} blocks, one loop after the other (a "
+      "streamed step's parts), spare buffers: each loop's first fetch and "
+      "last write-back lie outside it. Waits: the compute stream's, at each "
+      "direction's transfers.", "",
+      "| loops | modeled ms | over the gemms | H2D waits ms | D2H waits ms | "
+      "H2D GB | D2H GB |", "|---|---|---|---|---|---|---|"]
+  for name, v in r["handoff"].items():
+    lines.append(
+        f"| {name} | {v['step_s'] * 1e3:.2f} | "
+        f"{v['step_s'] / v['gemm_s']:.2f}x | {v['h2d_wait_s'] * 1e3:.2f} | "
+        f"{v['d2h_wait_s'] * 1e3:.2f} | {v['h2d_bytes'] / 1e9:.2f} | "
+        f"{v['d2h_bytes'] / 1e9:.2f} |")
   return "\n".join(lines) + "\n"
 
 
@@ -242,13 +293,16 @@ def main(argv=None) -> dict:
     parser.error("--n must be a multiple of 3, at least 6")
   d = 4096
   mesh = gpu_compile.gpu_mesh(args.target)
-  rows = {}
+  rows, handoff = {}, {}
   for name, (loop, whole, thirds) in layouts(args.n).items():
     rows[name] = compile_layout(mesh, loop, whole, thirds, args.n, d)
     print(f"  {name}: {rows[name]['step_s'] * 1e3:.1f} ms", flush=True)
+  for name, loop in two_stacks(args.n // 2).items():
+    handoff[name] = compile_layout(mesh, loop, 4, 0, args.n // 2, d)
+    print(f"  {name}: {handoff[name]['step_s'] * 1e3:.1f} ms", flush=True)
   r = {"target_name": mesh.devices.flat[0].device_kind,
        "jax": jax.__version__, "date": datetime.date.today().isoformat(),
-       "n": args.n, "d": d, "rows": rows}
+       "n": args.n, "d": d, "rows": rows, "handoff": handoff}
   report.save("host_buffers" + (f"_{args.tag}" if args.tag else ""),
               to_markdown(r), r)
   return r

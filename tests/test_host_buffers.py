@@ -44,6 +44,17 @@ def test_every_layout_computes_what_the_spare_buffers_compute():
   for name, (stack, act) in results.items():
     np.testing.assert_array_equal(stack, want[0], err_msg=name)
     np.testing.assert_array_equal(act, want[1], err_msg=name)
+  # two stacks' loops, as written and peeled: the spare loop run twice
+  half = host(w[:4]), host(w[4:8])
+  for name, loop in host_buffers.two_stacks(4).items():
+    out = jax.jit(loop)(half[0], half[0], half[1], half[1], a)
+    once = jax.jit(host_buffers.layouts(4)["spare"][0])
+    r1, first, act = once(half[0], half[0], a)
+    r2, second, act = once(half[1], half[1], act)
+    for got, expected in zip(out, (r1, first, r2, second, act)):
+      np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                    np.asarray(expected, np.float32),
+                                    err_msg=name)
 
 
 @pytest.mark.slow  # 15 s
@@ -51,7 +62,8 @@ def test_only_the_spare_buffers_hide_both_directions_in_the_gpu_program():
   _run_module("benchmarks.host_buffers", "--tag", "quick")
   with open(os.path.join(ROOT, "benchmarks", "results",
                          "host_buffers_quick.json")) as f:
-    rows = json.load(f)["rows"]
+    r = json.load(f)
+  rows = r["rows"]
   ram = {k: v["host_bytes"] / v["stack_bytes"] for k, v in rows.items()}
   spare = rows["spare"]
   assert ram["spare"] == 2 and spare["host_copy_bytes"] == 0
@@ -72,3 +84,17 @@ def test_only_the_spare_buffers_hide_both_directions_in_the_gpu_program():
   assert ram["three interleaved arrays, unrolled by three"] == 1
   assert lanes["host_copy_bytes"] == 0
   assert lanes["h2d_hidden"] < 0.5 and lanes["step_s"] > 1.2 * spare["step_s"]
+  # one buffer, the write-back ordered after the fetch: no array copied, but
+  # now the fetch is not hidden
+  ordered = rows["one buffer, the write after the fetch completes"]
+  assert ram["one buffer, the write after the fetch completes"] == 1
+  assert ordered["host_copy_bytes"] == 0 and ordered["h2d_hidden"] < 0.1
+  assert ordered["step_s"] > 1.3 * spare["step_s"]
+  # between two loops no transfer is in flight: the second loop's first
+  # fetch waits, unless the first loop's last iteration is out of its loop
+  plain = r["handoff"]["two loops"]
+  peeled = r["handoff"]["two loops, first and last iterations peeled"]
+  block = r["d"] ** 2 * 2 / 50e9  # a block's fetch, at the model's PCIe
+  assert plain["h2d_wait_s"] > 1.9 * block
+  assert peeled["h2d_wait_s"] < 1.1 * block
+  assert peeled["step_s"] < plain["step_s"] - 0.8 * block
