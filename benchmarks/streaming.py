@@ -362,8 +362,8 @@ def kept_rows(cfg, target: str) -> dict[str, dict]:
     for k in (0, 5, 10):
       row = compile_row(cfg, target, batch, True, (0, 0), kept=(k, 0))
       row["ratio"] = row["step_s"] / ref["step_s"]
-      rows[f"residuals in host memory but the first {k} double-stream "
-           f"blocks', batch {batch}"] = row
+      but = f" but the first {k} double-stream blocks'" if k else ""
+      rows[f"residuals in host memory{but}, batch {batch}"] = row
   return rows
 
 
