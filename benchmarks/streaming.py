@@ -333,12 +333,12 @@ def rows_for(cfg, target: str, quick: bool, spare: bool = True
   return rows
 
 
-def activation_rows(cfg, target: str) -> dict[str, dict]:
-  """Every block streamed at batch 2 and 4, the blocks' saved inputs on the
+def activation_rows(cfg, target: str, batches=(2, 4)) -> dict[str, dict]:
+  """Every block streamed at each batch, the blocks' saved inputs on the
   device and in host memory, against the residuals-on-device step."""
   counts = (cfg.double_blocks, cfg.single_blocks)
   rows = {}
-  for batch in (2, 4):
+  for batch in batches:
     ref = rows[f"residuals on the device, batch {batch}"] = compile_row(
         cfg, target, batch, False, None)
     for act, where in ((False, "on the device"), (True, "in host memory")):
@@ -421,8 +421,9 @@ def main(argv=None) -> dict:
                       "with the lowest modeled time per sample, to "
                       "results/streaming_cards")
   parser.add_argument("--batch", type=int, action="append",
-                      help="with --cards: this batch only (repeat for more; "
-                      "default 1, 2 and 4)")
+                      help="with --cards or --activations: this batch "
+                      "only (repeat for more; default 1, 2 and 4, and 2 "
+                      "and 4)")
   parser.add_argument("--card", type=int, action="append", metavar="GIB",
                       help="with --cards: this card only (repeat for more; "
                       f"default {CARDS})")
@@ -431,7 +432,8 @@ def main(argv=None) -> dict:
                       help="with --cards: only setups whose host memory is "
                       "at most GB (1e9 bytes)")
   parser.add_argument("--activations", action="store_true",
-                      help="every block streamed at batch 2 and 4, the "
+                      help="every block streamed at batch 2 and 4 (or "
+                      "--batch), the "
                       "saved activations on the device and in host memory, "
                       "to results/streaming_activations")
   parser.add_argument("--residuals-on-device", action="store_true",
@@ -451,9 +453,10 @@ def main(argv=None) -> dict:
   batches = (1, 2) if args.quick else tuple(args.batch or (1, 2, 4))
   if args.cards:
     rows = card_rows(cfg, args.target, batches, tuple(args.card or CARDS),
+                     tuple(b for b in batches if b >= 4),
                      spare=not args.one_buffer, max_host=args.max_host * 1e9)
   elif args.activations:
-    rows = activation_rows(cfg, args.target)
+    rows = activation_rows(cfg, args.target, tuple(args.batch or (2, 4)))
   elif args.residuals_on_device:
     rows = kept_rows(cfg, args.target)
   elif args.fit:
