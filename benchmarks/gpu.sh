@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks, in one go (about 8 minutes on one H200):
+# The GPU checks and benchmarks, in one go (the H200 run of 2026-12-04 was cut
+# off in the streaming part; the batch-8 run comes last):
+#   0. kahan's exactness on this GPU (its tests, benchmarks/exactness.py);
 #   1. the optimizer-step speed ratios (benchmarks/speed.py, 46M params);
 #   2. a full training step of the example's UNet (58M params): Kahan with host
 #      offload against plain bf16, step-time ratio, device/host bytes from
@@ -9,10 +11,13 @@
 #      double blocks' (residuals_on_device), every block streamed, and that
 #      with the activations in host memory;
 #      measured peak and step-time ratios against the compiled peak and the
-#      timeline model.
+#      timeline model; then at batch 8, residuals on the device against every
+#      block streamed with the activations in host memory (the README's 16 GB
+#      row at reduced depth).
 # Needs jax with its GPU plugin, optax, flax, chex and scikit-learn installed;
 # the package is used from this checkout, and nothing is downloaded.
-# Results land in benchmarks/results/{speed,gpu_step,stream_gpu}.{md,json}.
+# Results land in benchmarks/results/{speed,gpu_step,stream_gpu,stream_gpu_b8}
+# .{md,json}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -29,3 +34,5 @@ python3 -m benchmarks.gpu_step --width 384 --batch 256 --reps 30
 if [ -f benchmarks/step_memory.py ]; then python3 -m benchmarks.step_memory; fi
 # the streaming FLUX step (4 + 8 blocks), measured against the model
 python3 -m benchmarks.stream_gpu --steps 5
+python3 -m benchmarks.stream_gpu --steps 3 --batch 8 \
+  --only "residuals on the device" --only "all blocks streamed, activations on host"

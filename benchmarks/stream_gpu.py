@@ -1,26 +1,29 @@
 """The streaming blockwise FLUX step, run on a GPU: measured against the model.
 
     python -m benchmarks.stream_gpu            # on a GPU (benchmarks/gpu.sh)
+    python -m benchmarks.stream_gpu --batch 8 --only "residuals on the device" \
+        --only "all blocks streamed, activations on host"
     python -m benchmarks.stream_gpu --tiny     # anywhere: a smoke run
 
 FLUX.1-dev at reduced depth (4 double + 8 single blocks of width 3072,
-2.5B params), batch 1 at 1024x1024, ``blockwise_step`` of
+2.5B params), at 1024x1024, batch 1 (``--batch``), ``blockwise_step`` of
 ``kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))`` with random
 weights, in five setups: residuals on the device, residuals in host memory
 (``stream_blocks(..., (0, 0))``: a spare buffer per leaf), the same but the
 first half of the double-stream blocks' (``residuals_on_device``), every
 block streamed (``stream_blocks``), and that with the blocks' saved inputs in
 host memory (``offload_activations=True``), each jitted with
-``ok.blockwise.STREAMING_COMPILER_OPTIONS`` as the README's table. Each setup runs
-in a process of its own (the device's ``peak_bytes_in_use`` counts from the
-process start): it compiles the step (once per role of the spare
-buffers), reads the compiled peak and the ``benchmarks.timeline`` model of
-the compiled schedule, runs ``--warmup`` untimed (2) and ``--steps`` timed
-steps, and reports the measured peak and median step time.
+``ok.blockwise.STREAMING_COMPILER_OPTIONS`` as the README's table (``--only``:
+some of them). Each setup runs in a process of its own (the device's
+``peak_bytes_in_use`` counts from the process start): it compiles the step
+(once per role of the spare buffers), reads the compiled peak and the
+``benchmarks.timeline`` model of the compiled schedule, runs ``--warmup``
+untimed (2) and ``--steps`` timed steps, and reports the measured peak and
+median step time.
 The table sets the measured step-time ratios (to residuals on the device)
 beside the modeled ones, and the measured peak beside the compiled one.
 
-Writes ``benchmarks/results/stream_gpu.{md,json}``.
+Writes ``benchmarks/results/stream_gpu{,_b<batch>}.{md,json}``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ SETUPS = ("residuals on the device", "residuals in host memory",
           "all blocks streamed", "all blocks streamed, activations on host")
 
 
-def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2) -> dict:
+def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2,
+              batch_size: int = 1) -> dict:
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -73,7 +77,7 @@ def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2) -> dict:
         if setup.startswith("all blocks streamed") else (0, 0),
         residuals_on_device=(cfg.double_blocks // 2, 0)
         if setup.endswith("double blocks'") else None)
-  spec = flux_model.batch_spec(cfg, 1, *tokens)
+  spec = flux_model.batch_spec(cfg, batch_size, *tokens)
   batch = {k: jax.device_put(jnp.ones(v.shape, v.dtype) * 0.1, device)
            for k, v in spec.items()}
   activations = setup.endswith("activations on host")
@@ -105,7 +109,7 @@ def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2) -> dict:
     if i >= warmup:
       times.append(time.perf_counter() - t0)
   stats = device.memory_stats() or {}
-  return {"setup": setup, "device": device.device_kind,
+  return {"setup": setup, "device": device.device_kind, "batch": batch_size,
           "compiled_peak_bytes": compiled_peak,
           "measured_peak_bytes": stats.get("peak_bytes_in_use"),
           "modeled_s": modeled, "median_s": statistics.median(times),
@@ -143,26 +147,31 @@ def main(argv=None) -> dict:
   parser.add_argument("--warmup", type=int, default=2,
                       help="untimed steps first (2: both roles of the spare "
                       "buffers compiled and run once)")
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--only", action="append", choices=SETUPS,
+                      metavar="SETUP", help="run this setup (repeatable; "
+                      "the first is the ratios' reference); default: all")
   parser.add_argument("--setup", choices=SETUPS, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.setup:  # a child: one setup, its JSON on the last line
     print(json.dumps(run_setup(args.setup, args.tiny, args.steps,
-                               args.warmup)))
+                               args.warmup, args.batch)))
     return {}
   rows = []
-  for setup in SETUPS:
+  for setup in args.only or SETUPS:
     cmd = [sys.executable, "-m", "benchmarks.stream_gpu", "--setup", setup,
-           "--steps", str(args.steps), "--warmup", str(args.warmup)] + (
-               ["--tiny"] if args.tiny else [])
+           "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--batch", str(args.batch)] + (["--tiny"] if args.tiny else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"  {setup}: {rows[-1]['median_s'] * 1e3:.1f} ms", flush=True)
   from benchmarks import report
   r = {"date": datetime.date.today().isoformat(), "rows": rows,
-       "model": ("FluxConfig.tiny() (a smoke run)"
+       "model": (f"FluxConfig.tiny() (a smoke run), batch {args.batch}"
                  if args.tiny else "FLUX.1-dev shapes, 4 + 8 blocks of "
-                 "width 3072, batch 1 at 1024x1024")}
-  report.save("stream_gpu", to_markdown(r), r, quick=args.tiny)
+                 f"width 3072, batch {args.batch} at 1024x1024")}
+  report.save("stream_gpu" + (f"_b{args.batch}" if args.batch != 1 else ""),
+              to_markdown(r), r, quick=args.tiny)
   return r
 
 

@@ -112,9 +112,13 @@ def test_prodigy_clip_reproduces_the_stall_and_its_fix():
 def test_stream_gpu_tiny_runs_every_setup_on_cpu():
   from benchmarks import stream_gpu
   # one step each: one role of the spare buffers compiled (the CPU's compile
-  # of the step is most of the time)
-  r = stream_gpu.main(["--tiny", "--steps", "1", "--warmup", "0"])
+  # of the step is most of the time); at batch 2, every setup named as
+  # gpu.sh's batch-8 run names its two
+  only = [a for setup in stream_gpu.SETUPS for a in ("--only", setup)]
+  r = stream_gpu.main(["--tiny", "--steps", "1", "--warmup", "0", "--batch",
+                       "2", *only])
   assert [row["setup"] for row in r["rows"]] == list(stream_gpu.SETUPS)
+  assert [row["batch"] for row in r["rows"]] == [2] * len(stream_gpu.SETUPS)
   # Prodigy's lagged sums add the streamed stacks' parts in another order:
   # the same training within float32 rounding
   losses = [row["loss"] for row in r["rows"]]
