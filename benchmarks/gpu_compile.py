@@ -40,7 +40,7 @@ blocks (1.03B params, 112 leaves) and on 24 equal leaves of 1024 x 1024;
 and a whole training step (forward, backward with block
 remat, update, apply) of a DiT-like model, 8 blocks of width 1024 (155M
 params), its blocks stacked and run by ``lax.scan`` or unrolled. ``--quick``
-(for CI): width 256, 2 + 2 FLUX blocks, 24 leaves of 256 x 256, the
+(for CI): width 256, 1 + 1 FLUX blocks, 24 leaves of 256 x 256, the
 adamw, both clip-chains and prodigy_factored families, and the scanned DiT's
 kahan rows only. ``--full`` compiles
 instead the full FLUX.1-dev (11.9B params, 1,160 leaves) optimizer steps of
@@ -578,7 +578,7 @@ def run_target(target: str, quick: bool, full: bool) -> list[dict]:
   name = mesh.devices.flat[0].device_kind
   stamp = {"target": target, "target_name": name, "jax": jax.__version__,
            "date": datetime.date.today().isoformat()}
-  width, blocks = (256, 2) if quick else (3072, 2)
+  width, blocks = (256, 1) if quick else (3072, 2)
   side = 256 if quick else 1024
   tables = []
   flux = model_shapes.flux_dev_shapes(hidden=width, double_blocks=blocks,
