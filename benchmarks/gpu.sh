@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, in one go (the H200 run of 2026-12-04 was cut
 # off in the streaming part; the batch-8 run comes last):
-#   0. kahan's exactness on this GPU (its tests, benchmarks/exactness.py);
+#   0. kahan's exactness on this GPU (benchmarks/gpu_exactness.sh: the
+#      known-answer check, its tests, the diagnosis benchmarks/exactness.py);
 #   1. the optimizer-step speed ratios (benchmarks/speed.py, 46M params);
 #   2. a full training step of the example's UNet (58M params): Kahan with host
 #      offload against plain bf16, step-time ratio, device/host bytes from
@@ -23,12 +24,10 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # so that peak_bytes_in_use is ours
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-# 0. exactness on this GPU first: kahan's teacher-forced corpus and its own
-#    tests (on the 2026-12-04 H200 run every kahan case lost its residuals)
-timeout 240 python3 -m pytest -p no:cacheprovider -o addopts="" -q -m "not slow" \
-  tests/test_same_answer.py tests/test_kahan.py -k kahan 2>&1 | tail -25 || true
-# where this backend's kahan step departs from the CPU's, part by part
-python3 -m benchmarks.exactness --hlo-dir benchmarks/results/exactness_hlo || true
+# 0. exactness on this GPU first (on the 2026-12-04 H200 run every kahan case
+#    lost its residuals): the known-answer check, kahan's tests and the
+#    diagnosis, logged under benchmarks/results/gpu_<date>_<device>/
+bash benchmarks/gpu_exactness.sh || true
 python3 -m benchmarks.speed --reps 30
 python3 -m benchmarks.gpu_step --width 384 --batch 256 --reps 30
 if [ -f benchmarks/step_memory.py ]; then python3 -m benchmarks.step_memory; fi

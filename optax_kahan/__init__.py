@@ -17,6 +17,7 @@ from optax_kahan._src.kahan import kahan_replace_residuals
 from optax_kahan._src.kahan import kahan_residuals
 from optax_kahan._src.kahan import kahan_to_float32
 from optax_kahan._src.kahan import KahanState
+from optax_kahan._src.known_answer import known_answer_check
 from optax_kahan._src.leafwise import leafwise
 from optax_kahan._src.prodigy import prodigy_d
 from optax_kahan._src.prodigy import scale_by_prodigy
@@ -55,6 +56,7 @@ __all__ = (
     "kahan_to_float32",
     "kahan_nnx_optimizer",
     "kahan_train_state",
+    "known_answer_check",
     "leafwise",
     "merge_float32",
     "prodigy",

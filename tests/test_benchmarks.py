@@ -125,11 +125,16 @@ def test_stream_gpu_tiny_runs_every_setup_on_cpu():
   np.testing.assert_allclose(losses, losses[0], rtol=1e-4)
 
 
-def test_exactness_compares_every_part(capsys):
+def test_exactness_compares_every_part_in_every_variant(capsys, tmp_path):
   from benchmarks import exactness
-  exactness.main([])
-  lines = capsys.readouterr().out.splitlines()[1:]
-  assert len(lines) == 2 * len(exactness.PROGRAMS)
+  out = tmp_path / "exactness.txt"
+  exactness.main(["--out", str(out)])
+  lines = capsys.readouterr().out.splitlines()[1:-1]
+  assert len(lines) == len(exactness.VARIANTS) * 2 * len(exactness.PROGRAMS)
+  assert out.read_text().splitlines()[1:] == lines
   for line in lines:  # the CPU against itself: nothing differs
-    assert "DIFFERS" not in line and line.count(" same") == 6, line
-    assert float(line.split("vs optax ")[1].split()[0]) <= 4, line
+    assert line.split(" | ")[0] in exactness.VARIANTS, line
+    assert "DIFFERS" not in line and "FAILED" not in line, line
+    assert line.count(" same") == len(exactness.PARTS), line
+    rows, whole = line.split("vs optax ")[1].split(" ulps, whole tree ")
+    assert float(rows) <= 4 and float(whole.split()[0]) <= 4, line
