@@ -37,6 +37,8 @@ import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import inspect  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental.compute_on import compute_on  # noqa: E402
@@ -53,13 +55,23 @@ def _adam(w, m, v, g, c):
   return w - c[4] * m / (jnp.sqrt(v) + c[5]), m, v
 
 
+def _on_host(fn, *args):
+  """``fn(*args)`` computed on the host, its outputs in host memory: jax >=
+  0.12's ``compute_on`` wraps a function and names the outputs' memory,
+  earlier ones' is a context."""
+  if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+    return compute_on(compute_type="device_host",
+                      out_memory_spaces=jax.memory.Space.Host)(fn)(*args)
+  with compute_on("device_host"):
+    return fn(*args)
+
+
 def _step(hyper_on_host: bool):
   host = jax.memory.Space.Host
 
   def step(w, m, v, x, a, c):
     g = jax.device_put(x @ a, host)  # this block's gradient, sent out
-    with compute_on("device_host"):
-      w, m, v = _adam(w, m, v, g, c if hyper_on_host else HYPER)
+    w, m, v = _on_host(_adam, w, m, v, g, c if hyper_on_host else HYPER)
     y = jnp.tanh(x @ a) @ a  # the next block's backward, independent
     return w, m, v, y
 

@@ -7,8 +7,11 @@ about the code as written). The public modules (``optax_kahan``,
 """
 
 import ast
+import importlib.metadata
 import re
 import pathlib
+
+from packaging.requirements import Requirement
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "optax_kahan" / "_src"
 
@@ -16,7 +19,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "optax_kahan" / "_src"
 # leaves; the per-leaf contract; the traced cut; the transformations; kahan
 # and the named optimizers; the blockwise model, its pipelined copies, its
 # streamed layout and late sums, its residual accessors, its step; the Flax
-# adapters, the train state and the NNX optimizer.
+# adapters, the train state and the NNX optimizer; the known-answer check.
 LAYERS = [
     {"bits", "validation", "double_buffer"},
     {"placement", "leaves"},
@@ -31,6 +34,7 @@ LAYERS = [
      "blockwise.residuals"},
     {"blockwise.step"},
     {"blockwise.flax_adapters", "train_state", "nnx_optimizer"},
+    {"known_answer"},
 ]
 LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 
@@ -80,6 +84,37 @@ def test_no_context_variable_channel():
   for name, path in MODULES.items():
     _, other = _imports(path)
     assert "contextvars" not in other, name
+
+
+# jax's program representation (jaxprs, primitives, equation parameters)
+# changes between releases: one module reads it, and tests/test_traced.py runs
+# on the oldest and the newest jax CI installs.
+_JAX_INTERNALS = re.compile(
+    r"jax\.extend|jax\._src|make_jaxpr|jaxpr|\.eqns\b|jax\.core\.(?!Tracer\b)")
+
+
+def test_one_module_reads_jaxs_internals():
+  readers = {name for name, path in MODULES.items()
+             if _JAX_INTERNALS.search(path.read_text())}
+  assert readers == {"traced"}, readers
+
+
+def test_installed_versions_are_in_the_stated_range():
+  # CI's newest stack installs the newest jax, jaxlib, optax and flax the
+  # registry serves, whatever pyproject.toml says: a release past its range
+  # is noticed here instead of silently run.
+  for text in importlib.metadata.requires("optax-kahan"):
+    requirement = Requirement(text)
+    if requirement.marker is not None:  # an extra's
+      continue
+    have = importlib.metadata.version(requirement.name)
+    assert requirement.specifier.contains(have, prereleases=True), (
+        f"{requirement.name} {have} is outside the range pyproject.toml "
+        f"states ({requirement.specifier}). A newer release: run .ci/run "
+        "(both stacks) with it, mend what fails (tests/test_traced.py first: "
+        "optax_kahan/_src/traced.py reads jax's programs), then raise the "
+        "bound in pyproject.toml and the README's tested versions. An older "
+        "one: pip install -e '.[test]' again")
 
 
 def _code_lines(fn: ast.AST, lines: list[str]) -> int:

@@ -12,10 +12,21 @@ reads::
 A global value (a norm, Prodigy's sums) is computed between passes
 (``Round``); leaf ``i``'s row binds again, in order, the program's own
 equations its targets need, with no other leaf's input in reach. Nothing is
-recognised by name. A call whose operands come from two leaves (a ``jit``
-over the tree) is inlined; any other equation with an inner program is a
-unit. Refused, with the reason: effects, or two leaves meeting in a value of
-more than ``MAX_SHARED`` elements. See docs/guides/per_leaf.md.
+recognised by name.
+
+The program is normalised first: a call whose meaning is its body (jax's
+public ``jit``, ``closed_call``, ``call`` and ``remat`` primitives) is always
+inlined, so a helper reads the same whether jax kept it as a call (jax >= 0.11
+keeps ``jax.jit(..., inline=True)`` calls in the jaxpr) or inlined it while
+tracing (jax 0.10), and whether its operands come from one leaf or many (a
+``jit``'s sharding annotations go with it: they place values, the values are
+the same). Any
+other equation with an inner program (``cond``, ``scan``, a custom derivative)
+is a unit. Rows are compared by structure (``row_key``): primitives by
+identity, parameters by value, inner programs equation by equation; never by
+jax's printed text. Refused, with the reason: effects, or two leaves meeting
+in a value of more than ``MAX_SHARED`` elements. This module is the package's
+one reader of jax's program representation. See docs/guides/per_leaf.md.
 
 References:
   JAX, "Understanding Jaxprs" and "Writing custom Jaxpr interpreters".
@@ -24,8 +35,6 @@ References:
 import contextlib
 import dataclasses
 import functools
-import inspect
-import re
 from typing import Any, NamedTuple, Optional, Union
 
 import jax
@@ -65,24 +74,70 @@ def _abstract(x: Any) -> Any:
   return x
 
 
-def _value_text(x: Any) -> str:
-  """A constant as text: dtype, shape, values (a traced one by identity)."""
+# The calls whose meaning is their body, from jax's public primitives.
+_INLINED = tuple(p for p in (getattr(jex.core.primitives, name, None) for name
+                             in ("jit_p", "closed_call_p", "call_p", "remat_p"))
+                 if p is not None)
+
+
+def _value_key(x: Any) -> tuple[Any, ...]:
+  """A constant by value: dtype, shape, bytes (one that is no array, such as
+  a traced value, by identity)."""
   try:
     a = np.asarray(x)
   except Exception:  # pylint: disable=broad-except
-    return f"<{type(x).__name__} {id(x)}>"
-  return f"{a.dtype}{list(a.shape)}{a.tobytes().hex()}"
+    return ("object", id(x))
+  if a.dtype == object:
+    return ("object", id(x))
+  return ("array", str(a.dtype), a.shape, a.tobytes())
 
 
-def _params_text(params: dict[str, Any]) -> str:
-  """An equation's parameters as text, with no object addresses."""
-  def text(v):
-    if isinstance(v, (np.ndarray, jax.Array)):
-      return _value_text(v)
-    if isinstance(v, (tuple, list)):
-      return "(" + ", ".join(text(w) for w in v) + ")"
-    return re.sub(r" at 0x[0-9a-f]+", "", str(v))
-  return ", ".join(f"{k}={text(v)}" for k, v in sorted(params.items()))
+def _aval_key(aval: Any) -> tuple[Any, ...]:
+  return (type(aval).__name__, tuple(getattr(aval, "shape", ())),
+          str(getattr(aval, "dtype", "")), bool(getattr(aval, "weak_type",
+                                                        False)))
+
+
+def _structure(x: Any) -> Any:
+  """An equation parameter as a hashable key: equal keys, equal parameters.
+  Inner programs equation by equation, arrays by value, containers item by
+  item, anything else itself (its own equality; an unhashable object by
+  identity)."""
+  if isinstance(x, jex.core.ClosedJaxpr):
+    return ("closed", _structure(x.jaxpr),
+            tuple(_value_key(c) for c in x.consts))
+  if isinstance(x, jex.core.Jaxpr):
+    names = {}
+
+    def ref(v):
+      if _is_literal(v):
+        return ("literal", _value_key(v.val), _aval_key(v.aval))
+      return names.setdefault(v, len(names))
+
+    head = tuple((ref(v), _aval_key(v.aval))
+                 for v in [*x.constvars, *x.invars])
+    eqns = tuple((e.primitive, _params_key(e.params),
+                  tuple(ref(v) for v in e.invars),
+                  tuple((ref(v), _aval_key(v.aval)) for v in e.outvars))
+                 for e in x.eqns)
+    return ("jaxpr", head, eqns, tuple(ref(v) for v in x.outvars))
+  if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+    return _value_key(x)
+  if isinstance(x, (tuple, list)):
+    return (type(x).__name__, *map(_structure, x))
+  if isinstance(x, dict):
+    return ("dict", *((k, _structure(v)) for k, v in sorted(
+        x.items(), key=lambda kv: str(kv[0]))))
+  try:
+    hash(x)
+  except TypeError:
+    return ("object", id(x))
+  return x
+
+
+def _params_key(params: dict[str, Any]) -> tuple[Any, ...]:
+  """An equation's parameters as a hashable key (``_structure``)."""
+  return tuple((k, _structure(v)) for k, v in sorted(params.items()))
 
 
 def _size(v: Any) -> int:
@@ -110,20 +165,15 @@ class _Inner:
     self.aval = aval
 
 
-def _carries_code(value: Any) -> bool:
-  """A Python function, or an object wrapping one (``value.f``)."""
-  return (inspect.isroutine(value)
-          or inspect.isroutine(getattr(value, "f", None)))
-
-
 def _call_body(eqn: Any) -> Optional[tuple[Any, list[Any]]]:
-  """The body of a call whose one inner program takes its operands and gives
-  its results, type for type (a ``jit``); None for anything else, and for a
-  call whose parameters hold code (a custom derivative rule, which inlining
-  would bypass)."""
+  """The body of a call whose meaning is its body (``_INLINED``) and whose
+  one inner program takes its operands and gives its results, type for type;
+  None for any other equation."""
+  if eqn.primitive not in _INLINED:
+    return None
   bodies = [v for v in eqn.params.values()
             if isinstance(v, (jex.core.Jaxpr, jex.core.ClosedJaxpr))]
-  if len(bodies) != 1 or any(map(_carries_code, eqn.params.values())):
+  if len(bodies) != 1:
     return None
   body = bodies[0]
   jaxpr, consts = ((body.jaxpr, list(body.consts))
@@ -190,7 +240,7 @@ class _Program:
       if eqn.effects:
         return f"its update has effects ({eqn.primitive})"
       ins = frozenset().union(*(self._read(v) for v in invars))
-      body = _call_body(eqn) if len(ins) > 1 else None
+      body = _call_body(eqn)
       if body is not None:
         jaxpr, consts = body
         inner = dict(zip(jaxpr.invars, invars))
@@ -307,38 +357,40 @@ class _Program:
       env.update((v, x) for v, x in zip(eqn.outvars, out)
                  if not isinstance(v, _DROP))
 
-  def row_key(self, i: int) -> str:
-    """Leaf ``i``'s last-pass row as text, operands named by role (gradient,
-    param, state path without the leaf's, extra argument, constant by value):
-    equal texts are equal programs on equal inputs."""
+  def row_key(self, i: int) -> tuple[Any, ...]:
+    """Leaf ``i``'s last-pass row by structure: each equation's primitive,
+    parameters (``_params_key``) and operands named by role (gradient, param,
+    state path without the leaf's, extra argument, constant by value, an
+    earlier output by position): equal keys are equal programs on equal
+    inputs."""
     eqn_ids, _ = self.plans[-1][i]
     where = {}
     leaf = self.paths[i]
 
     def ref(v):
       if _is_literal(v):
-        return f"{v.val!r}:{v.aval}"
+        return ("literal", _value_key(v.val), _aval_key(v.aval))
       if v in where:
         return where[v]
       if v is self.grads[i]:
-        return "g"
+        return ("g",)
       if v is self.params[i]:
-        return "x"
+        return ("x",)
       if v in self.state_paths:
-        return "state" + self.state_paths[v].replace(leaf, "<leaf>")
+        return ("state", self.state_paths[v].replace(leaf, "<leaf>"))
       if v in self.consts:
-        return f"const{_value_text(self.consts[v])}"
-      return f"extra{self.extra.index(v)}:{v.aval}"
+        return ("const", _value_key(self.consts[v]))
+      return ("extra", self.extra.index(v), _aval_key(v.aval))
 
-    lines = []
+    rows = []
     for e in eqn_ids:
       eqn = self.eqns[e]
-      lines.append(f"{eqn.primitive}[{_params_text(eqn.params)}]"
-                   f"({', '.join(ref(v) for v in eqn.invars)})")
+      rows.append((eqn.primitive, _params_key(eqn.params),
+                   tuple(ref(v) for v in eqn.invars)))
       for k, v in enumerate(eqn.outvars):
-        where[v] = f"%{len(lines) - 1}.{k}"
-    lines.append("-> " + ", ".join(ref(v) for v in self.finals[i]))
-    return "\n".join(lines)
+        where[v] = ("out", len(rows) - 1, k)
+    rows.append(tuple(ref(v) for v in self.finals[i]))
+    return tuple(rows)
 
   def read(self, env: dict[Any, Any], v: Any) -> Any:
     if _is_literal(v):
