@@ -45,11 +45,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import optax_kahan as ok
 from optax_kahan._src import kahan as kahan_module
+from optax_kahan._src.known_answer import _first_difference  # bit for bit
+from optax_kahan._src.known_answer import _ulps  # of |old| + |new|
 from benchmarks import corpus
 
 PROGRAMS = ["adamw(mask by path)", "ok.prodigy_factored", "sgd"]
@@ -70,18 +71,6 @@ def _on(device, tree):
     return jax.device_put(a, jax.sharding.SingleDeviceSharding(
         device, memory_kind=kind))
   return jax.tree.map(put, tree)
-
-
-def _first_difference(a, b):
-  """``(path, count)`` of the first leaf where ``a`` and ``b`` differ."""
-  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0],
-                          jax.tree.leaves(b)):
-    x, y = (np.asarray(t).reshape(-1) for t in (x, y))  # bit for bit
-    bytes_of = lambda t: t.view(np.uint8).reshape(t.size, -1)
-    differ = (bytes_of(x) != bytes_of(y)).any(axis=1)
-    if differ.any():
-      return jax.tree_util.keystr(path), int(differ.sum())
-  return None
 
 
 def _inputs(name):
@@ -122,16 +111,6 @@ def _parts(name, offload, device, cpu_parts=None):
             "_step": step, "_args": (_on(device, g), state, p_d)}
 
 
-def _ulps(got, want, old):
-  """The largest error in ulps of ``|old| + |want|`` over the leaves."""
-  worst = 0.0
-  for g, w, o in zip(*(jax.tree.leaves(t) for t in (got, want, old))):
-    g, w, o = (np.asarray(a, np.float32) for a in (g, w, o))
-    scale = np.spacing(np.abs(w) + np.abs(o))
-    worst = max(worst, float(np.max(np.abs(g - w) / scale)))
-  return worst
-
-
 def _hlo_file(hlo_dir, variant, name, offload):
   stem = re.sub(r"[^A-Za-z0-9]+", "_", f"{variant}_{name}_{offload}")
   return os.path.join(hlo_dir, f"{stem.strip('_')}.hlo.txt")
@@ -154,10 +133,11 @@ def run_variant(variant, hlo_dir=""):
       for part in PARTS:
         diff = _first_difference(here[part], there[part])
         line.append(f"{part} " + ("same" if diff is None else
-                                  f"DIFFERS at {diff[0]} ({diff[1]})"))
-      line.append(f"vs optax {_ulps(here['_merged'], want, x):.1f} ulps, "
-                  f"whole tree {_ulps(here['_whole_merged'], want, x):.1f} "
-                  f"(cpu {_ulps(there['_merged'], want, x):.1f})")
+                                  f"DIFFERS at {diff}"))
+      ulps = lambda merged: _ulps(merged, want, x)[0]
+      line.append(f"vs optax {ulps(here['_merged']):.1f} ulps, whole tree "
+                  f"{ulps(here['_whole_merged']):.1f} (cpu "
+                  f"{ulps(there['_merged']):.1f})")
       lines.append(f"{variant} | {name}, offload={offload}: "
                    + "; ".join(line))
       print(lines[-1], flush=True)
