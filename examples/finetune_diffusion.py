@@ -13,7 +13,7 @@ float32 trajectory bit for bit. This script shows it in a few minutes on a CPU::
 
 (``pip install -e ".[examples]"`` first; run from the repository root.
 Outputs go to ``outputs/finetune_diffusion``.) On 2 idle CPU cores a first
-run took 103 s (2026-12-02, the README's figure), its pretraining included,
+run took 107 s on Python 3.11, 95 s on 3.13 (2026-12-06, the README's figures), its pretraining included,
 which later runs read from a cache; ``--optimizer adafactor|prodigy|prodigy_factored`` swaps
 the polish optimizer. ``--blockwise`` runs the polish through
 ``optax_kahan.blockwise.blockwise_step``: the UNet as an encoder, a stack of one middle
