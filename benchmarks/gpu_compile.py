@@ -24,13 +24,22 @@ compiled program:
   previous copy's last reader, i.e. while the previous leaf is being updated;
 * both ways: the share of device-to-host copies during which a
   host-to-device copy starts (both PCIe directions busy at once);
-* an estimated step time: the bytes its kernels read and write over the HBM
-  bandwidth, plus the host copies' bytes over the PCIe bandwidth (constants
-  below). ``cost_analysis()`` needs a device, so the bytes are summed from
-  the compiled program (operands and outputs of each fusion, library call
-  and copy; a buffer a kernel receives twice, before and after an
-  optimization barrier, read once); matmul FLOPs are not counted and no overlap is assumed: a
-  rough figure for the memory-bound optimizer step only.
+* for the optimizer steps, an estimated step time: the bytes its kernels
+  read and write over the HBM bandwidth, plus the host copies' bytes over the
+  PCIe bandwidth (constants below). ``cost_analysis()`` needs a device, so
+  the bytes are summed from the compiled program (operands and outputs of
+  each fusion, library call and copy; a buffer a kernel receives twice,
+  before and after an optimization barrier, read once); matmul FLOPs are not
+  counted and no overlap is assumed: a rough figure for the memory-bound
+  optimizer step only;
+* for the whole training steps, the step on ``benchmarks.timeline``'s model
+  instead (each loop run its trip count; gemms at 700 TFLOP/s, every other
+  kernel its bytes over the HBM bandwidth, host copies at the PCIe bandwidth
+  per direction), beside its floors: the gemms' time, and the larger
+  direction's host bytes over the PCIe bandwidth. Also the rows ``+ one 2 KB
+  host copy`` (an unused host-to-device copy in a plain bf16 step) and ``...
+  in a loop`` (the same copy in a ``fori_loop`` body): what the program's
+  schedule does when its entry holds a host copy, or not.
 
 Steps: the optimizer step alone (``tx.update`` + ``optax.apply_updates``,
 params and state donated, bf16 gradients) for the optax anchors and each
@@ -38,13 +47,15 @@ named optimizer, plain, in ``kahan`` and in ``kahan(..., offload=False)``,
 on the FLUX.1-dev transformer's shapes with 2 double- and 2 single-stream
 blocks (1.03B params, 112 leaves) and on 24 equal leaves of 1024 x 1024;
 and a whole training step (forward, backward with block
-remat, update, apply) of a DiT-like model, 8 blocks of width 1024 (155M
-params), its blocks stacked and run by ``lax.scan`` or unrolled. ``--quick``
+remat, update, apply) of a DiT-like model, 8 blocks of width 1024 (151M
+params), its blocks stacked and run by ``lax.scan`` or unrolled, and of
+FLUX.1-dev's layers with 2 + 2 blocks unrolled (each block's weights leaves of
+their own, under Flax's key paths; 1.03B params). ``--quick``
 (for CI): width 256, 1 + 1 FLUX blocks, 24 leaves of 256 x 256, the
-adamw, both clip-chains and prodigy_factored families, and the scanned DiT's
-kahan rows only. ``--full`` compiles
-instead the full FLUX.1-dev (11.9B params, 1,160 leaves) optimizer steps of
-``kahan(optax.adamw)`` and ``kahan(prodigy_factored())`` (minutes each),
+adamw, both clip-chains and prodigy_factored families, the scanned DiT's
+kahan rows and the unrolled DiT's ``kahan(optax.adamw)`` rows only.
+``--full`` compiles instead the full FLUX.1-dev (11.9B params, 1,160 leaves)
+optimizer steps of ``kahan(optax.adamw)`` and ``kahan(prodigy_factored())`` (minutes each),
 into ``results/gpu_compile_full``.
 
 ``--check`` asserts what the README promises: no conditional in any step;
@@ -52,9 +63,12 @@ for every ``kahan`` optimizer step with host residuals, residual
 staging at most two of the largest leaf's residuals and an offload saving
 at the device peak of at least 2 B/param less those two, less 0.05; and in
 the whole training step with scanned blocks, a saving of at least 1.9
-B/param.
+B/param; with unrolled rematerialized blocks, where host residuals cost
+memory instead, ``kahan``'s warning while the step is traced.
 
-Writes ``benchmarks/results/gpu_compile{,_quick,_full}.{md,json}``.
+``--training``: only the whole training steps. Writes
+``benchmarks/results/gpu_compile{,_quick,_full,_training}.{md,json}``, or
+``--name``'s.
 """
 
 from __future__ import annotations
@@ -70,16 +84,21 @@ import math
 import re
 import sys
 import time
-from typing import Any, Callable, Optional
+import warnings
+from typing import Any, Callable, NamedTuple, Optional
 
+from flax import nnx
 import jax
 from jax.experimental import topologies
 import jax.numpy as jnp
 import optax
 
 import optax_kahan as ok
+from optax_kahan import blockwise
+from benchmarks import flux_model
 from benchmarks import model_shapes
 from benchmarks import report
+from benchmarks import timeline
 
 # Bandwidths for the estimate (bytes/s): HBM3e of the H200 and HBM3 of the
 # H100 SXM (NVIDIA's data sheets), and PCIe 5.0 x16 at the 32 GiB/s that
@@ -446,47 +465,121 @@ def dit_loss(params: dict, x: jax.Array, t: jax.Array, heads: int) -> jax.Array:
   return jnp.mean(jnp.square((out - x).astype(jnp.float32)))
 
 
-def training_step(name: str, make: Callable, shapes: dict, mesh, target: str,
-                  batch: int, tokens: int, offload: bool = True) -> dict:
+class Model(NamedTuple):
+  """A model for a whole training step: its bf16 params
+  (``jax.ShapeDtypeStruct`` leaves), ``loss(params, *batch)`` and the
+  batch's shapes."""
+  params: Any
+  loss: Callable[..., jax.Array]
+  batch: tuple[jax.ShapeDtypeStruct, ...]
+
+
+def dit_model(width: int, blocks: int, scan: bool, batch: int,
+              tokens: int) -> Model:
+  """The DiT-like model of ``dit_shapes`` and ``dit_loss``."""
+  shapes = dit_shapes(width, blocks, scan)
+  heads = max(1, width // 128)
+  return Model(
+      {k: jax.ShapeDtypeStruct(v, jnp.bfloat16) for k, v in shapes.items()},
+      lambda params, x, t: dit_loss(params, x, t, heads),
+      (jax.ShapeDtypeStruct((batch, tokens, shapes["embed"][0]), jnp.bfloat16),
+       jax.ShapeDtypeStruct((batch, 256), jnp.bfloat16)))
+
+
+def flux_unrolled_model(blocks: int, image_tokens: int,
+                        text_tokens: int) -> Model:
+  """FLUX.1-dev's layers (width 3072) with ``blocks`` double- and single-stream
+  blocks, each block's weights leaves of their own (Flax's key paths, as in
+  the checkpoints), the blocks run one after the other, each rematerialized
+  (``jax.checkpoint``) in the backward pass; batch 1."""
+  cfg = flux_model.FluxConfig(double_blocks=blocks, single_blocks=blocks)
+  model = blockwise.BlockwiseModel(*flux_model.flux_blockwise(nnx.eval_shape(
+      lambda: flux_model.Flux(cfg, rngs=nnx.Rngs(0))))[0])
+  stacked = flux_model.abstract_params(cfg, jnp.bfloat16)
+  one_block = lambda stack: jax.tree.map(  # a stack's block, by its shapes
+      lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stack)
+  names = ("double_blocks", "single_blocks")
+  params = {"embed": stacked.embed, "head": stacked.head,
+            **{name: [one_block(stack) for _ in range(blocks)]
+               for name, stack in zip(names, stacked.stacks)}}
+
+  def loss(params, batch):
+    carry, consts = model.embed(params["embed"], batch)
+    for s, name in enumerate(names):
+      for block_params in params[name]:
+        carry = jax.checkpoint(model.blocks[s])(block_params, carry, consts)
+      if model.transition(s) is not None and not model.joins(s):
+        carry = model.transition(s)(carry, consts)
+    return model.head(params["head"], carry, consts, batch)
+
+  return Model(params, loss, (flux_model.batch_spec(cfg, 1, image_tokens,
+                                                    text_tokens),))
+
+
+def training_step(name: str, make: Callable, model: Model, mesh, target: str,
+                  offload: bool = True) -> dict:
   device = jax.NamedSharding(mesh.abstract_mesh, jax.P())
-  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+  placed = lambda dtype: lambda x: jax.ShapeDtypeStruct(
+      x.shape, dtype or x.dtype, sharding=device)
   master = name == "float32 master adamw"
-  params = {k: sds(v, jnp.float32 if master else jnp.bfloat16)
-            for k, v in shapes.items()}
+  params = jax.tree.map(placed(jnp.float32 if master else None), model.params)
   tx = make()
   state = _placed_state(tx, params, mesh, offload)
-  width = shapes["embed"][1]
-  x = sds((batch, tokens, shapes["embed"][0]), jnp.bfloat16)
-  t = sds((batch, 256), jnp.bfloat16)
+  batch = jax.tree.map(placed(None), model.batch)
   host = jax.ShapeDtypeStruct((1024,), jnp.uint16, sharding=jax.NamedSharding(
       mesh.abstract_mesh, jax.P(), memory_kind="pinned_host"))
-  heads = max(1, width // 128)
-  probe = name.endswith("one 2 KB host copy")
+  probe = "one 2 KB host copy" in name
+  in_loop = name.endswith("in a loop")
 
-  def step(params, state, x, t, host):
+  def step(params, state, batch, host):
     compute = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
-    grads = jax.grad(dit_loss)(compute, x, t, heads)
+    grads = jax.grad(model.loss)(compute, *batch)
     if master:
       grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
     if probe:  # one tiny host -> device copy, its value unused but kept
-      head = jax.device_put(host, jax.memory.Space.Device)[:1]
-      params["head"] = params["head"] + 0 * head.astype(jnp.bfloat16)
+      copy = lambda: jax.device_put(host, jax.memory.Space.Device)[:1]
+      if in_loop:  # the same copy in a loop body: not in the entry's schedule
+        value = jax.lax.fori_loop(0, 2, lambda i, acc: acc + copy(),
+                                  jnp.zeros((1,), jnp.uint16))
+      else:
+        value = copy()
+      leaves, treedef = jax.tree.flatten(params)
+      leaves[0] = leaves[0] + 0 * value.astype(leaves[0].dtype)
+      params = treedef.unflatten(leaves)
     return params, state
 
   t0 = time.perf_counter()
-  compiled = compile_step(step, (params, state, x, t, host), mesh)
-  row = report_of(compiled, model_shapes.num_params(shapes), target,
-                  2 * max(math.prod(s) for s in shapes.values()))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", ok.OptaxKahanWarning)
+    compiled = compile_step(step, (params, state, batch, host), mesh)
+  sizes = [math.prod(x.shape) for x in jax.tree.leaves(model.params)]
+  row = report_of(compiled, sum(sizes), target, 2 * max(sizes))
+  row.update(modelled(compiled.as_text(), target))
+  row["warned"] = [str(w.message) for w in caught
+                   if issubclass(w.category, ok.OptaxKahanWarning)]
   row["compile_s"] = time.perf_counter() - t0
   return row
+
+
+def modelled(hlo: str, target: str) -> dict[str, float]:
+  """The whole program on ``benchmarks.timeline``'s model (loops run their
+  trip count): gemms at ``timeline.GEMM_FLOPS``, every other kernel its
+  bytes over the target's HBM bandwidth, host copies at ``PCIE`` per
+  direction; beside it the floors: the gemms' time and the larger
+  direction's host bytes over ``PCIE``."""
+  t = timeline.model(hlo, pcie=PCIE, hbm_bytes_per_s=HBM[target])
+  return {"modelled_ms": 1e3 * t.step_s, "gemm_ms": 1e3 * t.gemm_s,
+          "pcie_floor_ms": 1e3 * max(t.h2d_bytes, t.d2h_bytes) / PCIE}
 
 
 def training_configurations() -> dict[str, tuple[Callable, bool]]:
   return {
       "bf16 optax.adamw": (lambda: optax.adamw(1e-5), True),
       "bf16 optax.adamw + one 2 KB host copy": (
+          lambda: optax.adamw(1e-5), True),
+      "bf16 optax.adamw + one 2 KB host copy in a loop": (
           lambda: optax.adamw(1e-5), True),
       "float32 master adamw": (lambda: optax.adamw(1e-5), True),
       "kahan(optax.adamw)": (lambda: ok.kahan(optax.adamw(1e-5)), True),
@@ -501,13 +594,19 @@ def training_configurations() -> dict[str, tuple[Callable, bool]]:
 
 # -- tables and checks ------------------------------------------------------
 def to_markdown(r: dict) -> str:
+  whole = all("modelled_ms" in v for v in r["rows"].values())
+  times = ("modelled ms | gemm ms | PCIe floor ms" if whole else "est. ms")
   lines = [f"Compiled for {r['target_name']}, not run ({r['date']}, jax "
            f"{r['jax']}). {r['shapes']}.", "",
            "| step | peak GB | B/param | temp B/param | host GB | conds | "
            "H2D / D2H | staging B/param (leaves) | overlapped | both ways "
-           "| est. ms |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           f"| {times} |",
+           "|---|---|---|---|---|---|---|---|---|---|" +
+           ("---|---|---|" if whole else "---|")]
   for name, v in r["rows"].items():
+    time_cells = (f"{v['modelled_ms']:.1f} | {v['gemm_ms']:.1f} | "
+                  f"{v['pcie_floor_ms']:.1f}" if whole
+                  else f"{v['estimated_ms']:.1f}")
     staged = (f"{v['staging_B_per_param']:.3f} "
               f"({v['staging_in_largest_leaves']:.1f})"
               if v["h2d_copies"] else "-")
@@ -518,7 +617,7 @@ def to_markdown(r: dict) -> str:
         f"{v['peak_B_per_param']:.2f} | {v['temp_B_per_param']:.3f} | "
         f"{v['host_bytes'] / 1e9:.2f} | {v['conditionals']} | "
         f"{v['h2d_copies']} / {v['d2h_copies']} | {staged} | {overlap} | "
-        f"{both} | {v['estimated_ms']:.1f} |")
+        f"{both} | {time_cells} |")
   lines.append("")
   for name, saving in r.get("offload_saving", {}).items():
     lines.append(f"- offload saves {saving:.2f} B/param at the device peak "
@@ -544,8 +643,10 @@ def check(r: dict) -> list[str]:
   residual staging at most two of the largest leaf's residuals, and
   offloading lowers the device peak by at least 2 B/param less those two
   leaves' bytes per param, less 0.05; in the whole training step with
-  scanned blocks, by at least 1.9 B/param. (With unrolled blocks, any host
-  copy costs more than the residuals save: reported, not promised.)
+  scanned blocks, by at least 1.9 B/param. With unrolled rematerialized
+  blocks, where host residuals raise the peak (any host copy makes XLA's
+  latency-hiding scheduler reorder the program), ``kahan`` warned while the
+  step was traced: the loss is never silent.
   """
   failures = []
   savings = r["offload_saving"]
@@ -559,6 +660,10 @@ def check(r: dict) -> list[str]:
     if "lax.scan" in r["shapes"] and savings[name] < 1.9:
       failures.append(f"{r['shapes']}: offload saves {savings[name]:.2f} "
                       f"B/param for {name}, less than 1.9")
+    if (savings[name] < 0 and "unrolled" in r["shapes"]
+        and not any("rematerializes" in w for w in v.get("warned", ()))):
+      failures.append(f"{r['shapes']}: offload costs {-savings[name]:.2f} "
+                      f"B/param for {name}, and kahan did not warn")
     if not optimizer_step_only:
       continue
     if v["staging_in_largest_leaves"] > 2.01:
@@ -571,13 +676,19 @@ def check(r: dict) -> list[str]:
   return failures
 
 
-def run_target(target: str, quick: bool, full: bool) -> list[dict]:
+def run_target(target: str, quick: bool, full: bool,
+               training: bool = False) -> list[dict]:
   if full:
     return [full_flux_table(target)]
   mesh = gpu_mesh(target)
   name = mesh.devices.flat[0].device_kind
   stamp = {"target": target, "target_name": name, "jax": jax.__version__,
            "date": datetime.date.today().isoformat()}
+  tables = [] if training else optimizer_tables(target, quick, mesh, stamp)
+  return tables + training_tables(target, quick, mesh, stamp)
+
+
+def optimizer_tables(target: str, quick: bool, mesh, stamp: dict) -> list:
   width, blocks = (256, 1) if quick else (3072, 2)
   side = 256 if quick else 1024
   tables = []
@@ -599,28 +710,38 @@ def run_target(target: str, quick: bool, full: bool) -> list[dict]:
                    "offload_saving": offload_savings(rows),
                    "shapes": (f"Optimizer step on {what} ({n / 1e6:.0f}M "
                               f"params, {len(shapes)} leaves)")})
-  dit_width = 256 if quick else 1024
+  return tables
+
+
+def training_tables(target: str, quick: bool, mesh, stamp: dict) -> list:
+  tables = []
+  width = 256 if quick else 1024
   batch, tokens = (2, 256) if quick else (4, 1024)
-  for scan in (True,) if quick else (True, False):
-    shapes = dit_shapes(dit_width, 8, scan)
+  models = [(dit_model(width, 8, scan, batch, tokens), scan, (
+      f"a DiT-like model, 8 blocks of width {width} "
+      f"{'stacked, lax.scan' if scan else 'unrolled'}"),
+                f"{batch} x {tokens} tokens") for scan in (True, False)]
+  if not quick:
+    models.append((flux_unrolled_model(2, 1024, 512), False,
+                   "FLUX.1-dev's layers, 2 + 2 blocks unrolled",
+                   "1 x (1024 image + 512 text) tokens"))
+  for model, scan, what, batch_size in models:
     rows = {}
     for cfg, (make, offload) in training_configurations().items():
-      if quick and not cfg.startswith(("kahan(optax.adamw)",
-                                       "kahan(prodigy_factored())")):
+      if quick and not cfg.startswith(
+          ("kahan(optax.adamw)",) if not scan else
+          ("kahan(optax.adamw)", "kahan(prodigy_factored())")):
         continue
-      rows[cfg] = training_step(cfg, make, shapes, mesh, target, batch,
-                                tokens, offload)
-      print(f"  {target} DiT {cfg}: {rows[cfg]['compile_s']:.0f} s",
+      rows[cfg] = training_step(cfg, make, model, mesh, target, offload)
+      print(f"  {target} {what}: {cfg}: {rows[cfg]['compile_s']:.0f} s",
             flush=True)
-    n = model_shapes.num_params(shapes)
+    leaves = jax.tree.leaves(model.params)
+    n = sum(math.prod(x.shape) for x in leaves)
     tables.append({
         **stamp, "rows": rows, "offload_saving": offload_savings(rows),
         "shapes": (f"Whole training step (forward, backward with block "
-                   f"remat, update, apply) of a DiT-like model, 8 blocks of "
-                   f"width {dit_width} "
-                   f"{'stacked, lax.scan' if scan else 'unrolled'} "
-                   f"({n / 1e6:.0f}M params, {len(shapes)} leaves), batch "
-                   f"{batch} x {tokens} tokens")})
+                   f"remat, update, apply) of {what} ({n / 1e6:.0f}M params, "
+                   f"{len(leaves)} leaves), batch {batch_size}")})
   return tables
 
 
@@ -651,6 +772,12 @@ def main(argv=None) -> dict:
   parser.add_argument("--full", action="store_true",
                       help="only the full FLUX.1-dev steps (minutes each), "
                       "to results/gpu_compile_full.md")
+  parser.add_argument("--training", action="store_true",
+                      help="only the whole training steps, to "
+                      "results/gpu_compile_training.md")
+  parser.add_argument("--name", default=None,
+                      help="the results' file name (default gpu_compile, "
+                      "gpu_compile_full or gpu_compile_training)")
   parser.add_argument("--target", nargs="+", default=["h200", "h100"],
                       choices=sorted(TARGETS))
   parser.add_argument("--check", action="store_true",
@@ -658,10 +785,12 @@ def main(argv=None) -> dict:
   args = parser.parse_args(argv)
   tables = []
   for target in args.target:
-    tables += run_target(target, args.quick, args.full)
+    tables += run_target(target, args.quick, args.full, args.training)
   markdown = "\n".join(to_markdown(t) for t in tables)
-  report.save("gpu_compile_full" if args.full else "gpu_compile", markdown,
-              {"tables": tables}, args.quick)
+  name = args.name or ("gpu_compile_full" if args.full else
+                       "gpu_compile_training" if args.training else
+                       "gpu_compile")
+  report.save(name, markdown, {"tables": tables}, args.quick)
   failures = [f for t in tables for f in check(t)]
   for f in failures:
     print("FAIL:", f)

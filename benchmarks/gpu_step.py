@@ -1,10 +1,16 @@
 """A full training step of the example's model: Kahan with host offload vs plain bf16.
 
     python -m benchmarks.gpu_step [--quick] [--width 384] [--batch 256]
+    python -m benchmarks.gpu_step --model dit-scanned    # or dit-unrolled
 
 The step is forward + backward + optimizer update + apply, jitted once with
 params and state donated, on the UNet of ``examples/finetune_diffusion.py``
-(widened so that the optimizer's memory matters). Configurations:
+(widened so that the optimizer's memory matters), or on the DiT-like model of
+``benchmarks.gpu_compile`` (8 blocks of width 1024, each rematerialized,
+batch 4 x 1024 tokens; ``--quick``: width 256, batch 2 x 256), its blocks in a
+``lax.scan`` or unrolled: there the configurations are ``bf16 adamw``,
+``kahan(adamw)`` and ``kahan(adamw), offload=False`` (what the compiled tables
+say about host residuals in a whole step, measured). Configurations:
 
 * ``bf16 adamw``: bf16 params, ``optax.adamw`` (bf16 state), plain apply;
 * ``kahan(adamw)``: bf16 params, float32 state, residuals in ``pinned_host``;
@@ -35,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -42,16 +49,55 @@ import optax
 
 import optax_kahan as ok
 from benchmarks import example
+from benchmarks import gpu_compile
 from benchmarks import report
 
 ROOT = pathlib.Path(__file__).parent.parent
 CONFIGS = ("bf16 adamw", "kahan(adamw)",
            "kahan(chain(clip_by_global_norm, adamw))",
            "kahan(prodigy_factored)", "float32 master adamw")
+DIT_CONFIGS = ("bf16 adamw", "kahan(adamw)", "kahan(adamw), offload=False")
 
 
-def make_step(name: str, width: int, batch: int):
+def configs(model: str) -> tuple[str, ...]:
+  return CONFIGS if model == "unet" else DIT_CONFIGS
+
+
+def make_dit_step(name: str, model: str, quick: bool):
+  """The DiT-like model's step: (jitted step, carry, batch, params)."""
+  width, tokens = (256, 256) if quick else (1024, 1024)
+  batch = 2 if quick else 4
+  dit = gpu_compile.dit_model(width, 8, model == "dit-scanned", batch, tokens)
+  key = jax.random.key(0)
+  params = commit(jax.tree.map(
+      lambda s: (0.02 * jax.random.normal(key, s.shape)).astype(s.dtype),
+      dit.params))
+  data = tuple(jax.random.normal(jax.random.fold_in(key, i), s.shape, s.dtype)
+               for i, s in enumerate(dit.batch))
+  tx = {"bf16 adamw": optax.adamw(1e-5),
+        "kahan(adamw)": ok.kahan(optax.adamw(1e-5)),
+        "kahan(adamw), offload=False": ok.kahan(optax.adamw(1e-5),
+                                                offload=False)}[name]
+
+  @functools.partial(jax.jit, donate_argnums=(0,))
+  def step(carry, data):
+    params, state = carry
+    u, state = tx.update(jax.grad(dit.loss)(params, *data), state, params)
+    return optax.apply_updates(params, u), state
+
+  n = sum(x.size for x in jax.tree.leaves(params))
+  return step, (params, jax.jit(tx.init)(params)), data, n
+
+
+def commit(tree):
+  return jax.device_put(tree, jax.devices()[0])
+
+
+def make_step(name: str, width: int, batch: int, model: str = "unet",
+              quick: bool = False):
   """Returns (jitted step, carry, batch, number of params)."""
+  if model != "unet":
+    return make_dit_step(name, model, quick)
   ex = example.load()
   graphdef, _ = ex.model_def(width)
   params32 = ex.init_params(width, 0)
@@ -102,9 +148,10 @@ def analysis(compiled) -> dict[str, int]:
   return {f: int(getattr(m, f, 0) or 0) for f in fields}
 
 
-def peak_of(name: str, width: int, batch: int) -> dict:
+def peak_of(name: str, width: int, batch: int, model: str = "unet",
+            quick: bool = False) -> dict:
   """Runs one configuration in this (fresh) process; its peak device bytes."""
-  step, carry, data, n = make_step(name, width, batch)
+  step, carry, data, n = make_step(name, width, batch, model, quick)
   for _ in range(3):
     carry = step(carry, data)
   jax.block_until_ready(carry)
@@ -117,33 +164,37 @@ def peak_of(name: str, width: int, batch: int) -> dict:
                    if isinstance(s, ok.KahanState)])})}
 
 
-def run(width: int, batch: int, reps: int) -> dict:
+def run(width: int, batch: int, reps: int, model: str = "unet",
+        quick: bool = False) -> dict:
   steps, carries, datas, mem = {}, {}, {}, {}
-  for name in CONFIGS:
-    step, carries[name], datas[name], n = make_step(name, width, batch)
+  names = configs(model)
+  for name in names:
+    step, carries[name], datas[name], n = make_step(name, width, batch, model,
+                                                    quick)
     steps[name] = step.lower(carries[name], datas[name]).compile()
     mem[name] = analysis(steps[name])
     carries[name] = steps[name](carries[name], datas[name])
     jax.block_until_ready(carries[name])
-  times = {name: [] for name in CONFIGS}
+  times = {name: [] for name in names}
   for _ in range(reps):
-    for name in CONFIGS:
+    for name in names:
       t0 = time.perf_counter()
       carries[name] = steps[name](carries[name], datas[name])
       jax.block_until_ready(carries[name])
       times[name].append(time.perf_counter() - t0)
   base = statistics.median(times["bf16 adamw"])
   peaks = {name: {"peak_bytes_in_use": None, "residual_memory_kinds": []}
-           for name in CONFIGS}
+           for name in names}
   has_stats = bool(jax.local_devices()[0].memory_stats())  # None on CPU
-  for name in CONFIGS if has_stats else ():  # fresh process: peaks are global
+  for name in names if has_stats else ():  # fresh process: peaks are global
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_step", "--peak-of", name,
-         "--width", str(width), "--batch", str(batch)],
+         "--width", str(width), "--batch", str(batch), "--model", model,
+         *(["--quick"] if quick else [])],
         cwd=ROOT, capture_output=True, text=True, check=True)
     peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])
   rows = {}
-  for name in CONFIGS:
+  for name in names:
     peak = peaks[name]["peak_bytes_in_use"]
     kinds = peaks[name]["residual_memory_kinds"] or sorted({
         r.sharding.memory_kind for s in jax.tree.leaves(
@@ -157,15 +208,18 @@ def run(width: int, batch: int, reps: int) -> dict:
         "peak_B_per_param": None if peak is None else peak / n,
         "residual_memory_kinds": kinds,
     }
+  what = (f"UNet width {width}" if model == "unet" else
+          f"DiT-like model, 8 blocks {model.split('-')[1]}, remat")
   return {"params": n, "width": width, "batch": batch, "reps": reps,
+          "model": what,
           "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
           "rows": rows}
 
 
 def to_markdown(r: dict) -> str:
   n = r["params"]
-  lines = [f"{r['device']}; UNet width {r['width']}, {n / 1e6:.1f}M params, "
-           f"batch {r['batch']}, median of {r['reps']}.", "",
+  lines = [f"{r['device']}; {r['model']}, {n / 1e6:.1f}M params, "
+           f"median of {r['reps']}.", "",
            "| configuration | step time vs bf16 | device args B/param | "
            "host args B/param | device temp B/param | peak device B/param | "
            "residuals in |", "|---|---|---|---|---|---|---|"]
@@ -187,15 +241,23 @@ def main(argv=None) -> dict:
   parser.add_argument("--width", type=int, default=None)
   parser.add_argument("--batch", type=int, default=None)
   parser.add_argument("--reps", type=int, default=None)
+  parser.add_argument("--model", default="unet",
+                      choices=("unet", "dit-scanned", "dit-unrolled"))
   parser.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  # kahan's warning for host residuals with unrolled remat: what is measured
+  warnings.filterwarnings("ignore", "kahan: the residuals are in host memory",
+                          ok.OptaxKahanWarning)
   width = args.width or (8 if args.quick else 384)
   batch = args.batch or (8 if args.quick else 256)
   if args.peak_of:
-    print(json.dumps(peak_of(args.peak_of, width, batch)))
+    print(json.dumps(peak_of(args.peak_of, width, batch, args.model,
+                             args.quick)))
     return {}
-  results = run(width, batch, args.reps or (3 if args.quick else 20))
-  report.save("gpu_step", to_markdown(results), results, args.quick)
+  results = run(width, batch, args.reps or (3 if args.quick else 20),
+                args.model, args.quick)
+  name = "gpu_step" if args.model == "unet" else f"gpu_step_{args.model}"
+  report.save(name, to_markdown(results), results, args.quick)
   return results
 
 

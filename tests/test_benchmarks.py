@@ -90,6 +90,17 @@ def test_gpu_step_quick_runs_every_configuration_on_cpu():
       assert row["residual_memory_kinds"] == ["pinned_host"], name
 
 
+@pytest.mark.slow
+def test_gpu_step_runs_the_dit_steps_with_residuals_where_asked():
+  results = gpu_step.main(["--quick", "--reps", "1", "--model",
+                           "dit-unrolled"])
+  rows = results["rows"]
+  assert set(rows) == set(gpu_step.DIT_CONFIGS)
+  assert rows["kahan(adamw)"]["residual_memory_kinds"] == ["pinned_host"]
+  assert rows["kahan(adamw), offload=False"]["residual_memory_kinds"] == [
+      "device"]
+
+
 def test_prodigy_clip_reproduces_the_stall_and_its_fix():
   """The text-encoder-like model on bf16 weights stepped directly: with the
   raw update clipped, d stays within 10x of d0 for 100 steps; without the

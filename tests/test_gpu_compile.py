@@ -81,6 +81,21 @@ def test_check_fails_on_conditionals_staging_and_a_small_saving():
   assert [f for f in gpu_compile.check(scanned) if "less than 1.9" in f]
 
 
+def test_check_fails_on_a_silent_loss_with_unrolled_blocks():
+  # Host residuals that raise an unrolled step's peak pass only if kahan
+  # warned while the step was traced.
+  rows = {"kahan(optax.adamw)": _row(h2d_copies=9, peak_B_per_param=17.0),
+          "kahan(optax.adamw), offload=False": _row(peak_B_per_param=15.0)}
+  table = {"shapes": "Whole training step, 8 blocks unrolled", "rows": rows,
+           "offload_saving": gpu_compile.offload_savings(rows)}
+  assert gpu_compile.check(table) == [
+      "Whole training step, 8 blocks unrolled: offload costs 2.00 B/param "
+      "for kahan(optax.adamw), and kahan did not warn"]
+  rows["kahan(optax.adamw)"]["warned"] = [
+      "kahan: ... rematerializes 8 blocks outside a loop ..."]
+  assert gpu_compile.check(table) == []
+
+
 def test_schedule_report_reads_staging_through_tuples():
   hlo = """
 ENTRY %main (p: u16[8], q: u16[8]) -> u16[8] {

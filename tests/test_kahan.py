@@ -458,3 +458,55 @@ def test_staged_residuals_are_not_checked_against_offload():
   staged = optax.apply_updates(params, updates)
   plain = optax.apply_updates(params, tx.update(grads, state, params)[0])
   np.testing.assert_array_equal(staged["w"], plain["w"])
+
+
+def _blocks_step(tx, *, scan: bool, remat: bool):
+  """A training step of three tanh blocks: unrolled or in a ``lax.scan``,
+  each block rematerialized in the backward pass or not."""
+  def block(h, w):
+    return jnp.tanh(h @ w)
+
+  if remat:
+    block = jax.checkpoint(block)
+
+  def loss(params, x):
+    if scan:
+      h, _ = jax.lax.scan(lambda h, w: (block(h, w), None), x, params["w"])
+    else:
+      h = x
+      for i in range(3):
+        h = block(h, params[f"w{i}"])
+    return jnp.sum(h.astype(jnp.float32))
+
+  def step(params, state, x):
+    grads = jax.jit(jax.grad(loss))(params, x)  # a jit inside: read through
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = ({"w": jnp.ones((3, 8, 8), jnp.bfloat16)} if scan else
+            {f"w{i}": jnp.ones((8, 8), jnp.bfloat16) for i in range(3)})
+  return step, commit(params)
+
+
+@pytest.mark.parametrize("scan,remat,offload,warns", [
+    (False, True, True, True),  # unrolled, rematerialized, host residuals
+    (False, True, False, False),  # residuals on the device
+    (True, True, True, False),  # the blocks in a loop
+    (False, False, True, False),  # no rematerialization
+])
+def test_warns_for_host_residuals_in_an_unrolled_remat_step(
+    scan, remat, offload, warns):
+  tx = ok.kahan(optax.adamw(1e-3), offload=offload)
+  step, params = _blocks_step(tx, scan=scan, remat=remat)
+  state = tx.init(params)
+  x = jnp.ones((2, 8), jnp.bfloat16)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.jit(step).trace(params, state, x)
+  said = [str(w.message) for w in caught
+          if "rematerializes" in str(w.message)]
+  assert len(said) == int(warns), said
+  if warns:
+    assert "rematerializes 3 blocks" in said[0]
+    assert "offload=False" in said[0] and "blockwise_step" in said[0]
+    assert caught[0].filename == __file__  # points at the user's update

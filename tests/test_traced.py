@@ -203,3 +203,21 @@ def test_the_corpus_gets_the_same_blockwise_decisions():
   want = {name: d for d, names in BLOCKWISE_DECISIONS.items()
           for name in names}
   assert got == want, {n: (got[n], want[n]) for n in got if got[n] != want[n]}
+
+
+def test_rematerialized_calls_counts_the_traced_programs_unrolled_remats():
+  block = jax.checkpoint(lambda h, w: jnp.tanh(h @ w))
+  seen = []
+
+  def step(ws, x):
+    h = x
+    for w in ws:
+      h = block(h, w)
+    jax.lax.scan(lambda h, w: (block(h, w), None), h, jnp.stack(ws))
+    seen.append(traced.rematerialized_calls())  # the scan's are in a loop
+    return h
+
+  ws = [jnp.eye(4)] * 3
+  jax.jit(step).trace(ws, jnp.ones((2, 4)))
+  step(ws, jnp.ones((2, 4)))  # eager: no program being traced
+  assert seen == [3, 0]

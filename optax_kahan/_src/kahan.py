@@ -339,6 +339,11 @@ def kahan(
     inner: any optax transformation (extra args are passed through).
     rounding: ``"nearest"`` (default, ties away from zero) or ``"truncate"``.
     offload: ``init`` puts the residuals in host memory (default) or not.
+      In an ordinary training step on a GPU the residuals' copies are
+      mostly not hidden behind compute, and a backward pass that
+      rematerializes unrolled blocks may peak higher than with
+      ``offload=False`` (a warning says so; docs/guides/gpu.md);
+      ``blockwise_step`` hides them.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -405,6 +410,7 @@ def _checked(updates: Any, state: KahanState, params: Any, offload: bool,
   lows = _check_residuals(params, state.residuals)
   if not staged:
     _check_memory(params, lows, offload)
+    _warn_if_unrolled_remat(lows)
   leaves_like(params, updates, "the updates (grads)")
   full = leaves_like(updates, state.residuals, "residuals")  # None grads too
   grads = jax.tree.structure(updates, is_leaf=is_none).flatten_up_to(updates)
@@ -501,6 +507,32 @@ def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
         "opt_state = ok.kahan_replace_residuals(opt_state, jax.device_put("
         f"residuals, jax.memory.Space.{'Host' if offload else 'Device'}))",
         stacklevel=5)
+
+
+def _warn_if_unrolled_remat(lows: list[Any]) -> None:
+  """Warns when residuals in host memory meet a traced step whose backward
+  rematerializes two or more blocks outside a loop: on a GPU, any host copy
+  makes XLA's latency-hiding scheduler reorder such a program, and where
+  activations are large against the weights the device peak rises instead
+  of falling (docs/guides/gpu.md)."""
+  if not any(lo is not None and on_host(lo) for lo in lows):
+    return
+  blocks = traced.rematerialized_calls()
+  if blocks < 2:
+    return
+  validation.warn(
+      f"kahan: the residuals are in host memory and this step's backward "
+      f"rematerializes {blocks} blocks outside a loop (jax.checkpoint, "
+      "nn.remat or nnx.remat, unrolled). On a GPU any host copy makes XLA's "
+      "latency-hiding scheduler reorder such a program, keeping the blocks' "
+      "gradients until the end of the backward pass: where activations are "
+      "large against the weights, the device peak rises instead of falling "
+      "(python -m benchmarks.gpu_compile; docs/guides/gpu.md). Compare "
+      "jax.jit(step).lower(...).compile().memory_analysis() with the "
+      "residuals in host memory and on the device; if the host placement "
+      "loses, keep them on the device (ok.kahan(tx, offload=False)), run the "
+      "blocks in a loop (lax.scan, nn.scan, nnx.scan), or update each block "
+      "inside the backward pass (ok.blockwise_step)", stacklevel=5)
 
 
 # States of groups of params (the blockwise step's), registered by their

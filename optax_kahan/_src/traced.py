@@ -80,6 +80,38 @@ _INLINED = tuple(p for p in (getattr(jex.core.primitives, name, None) for name
                  if p is not None)
 
 
+_REMAT = getattr(jex.core.primitives, "remat_p", None)
+
+
+def rematerialized_calls() -> int:
+  """Rematerialized calls (``jax.checkpoint``, Flax's ``remat``) in the
+  program being traced, so far, outside any loop: the unrolled
+  rematerialized blocks of a training step whose ``jax.grad`` is traced
+  before its optimizer update (inside ``jit`` bodies too, as ``_INLINED``).
+  0 outside a trace (eager), or where jax keeps no readable record.
+  """
+  try:
+    from jax._src import core  # the trace being recorded; no public API
+    eqns = list(core.trace_ctx.trace.frame.tracing_eqns)
+  except (ImportError, AttributeError):
+    return 0
+
+  def count(eqns) -> int:
+    n = 0
+    for eqn in eqns:
+      primitive = getattr(eqn, "primitive", None)
+      if _REMAT is not None and primitive is _REMAT:
+        n += 1
+      elif primitive in _INLINED:
+        body = next((v for v in eqn.params.values() if isinstance(
+            v, (jex.core.Jaxpr, jex.core.ClosedJaxpr))), None)
+        if body is not None:
+          n += count(getattr(body, "jaxpr", body).eqns)
+    return n
+
+  return count(eqns)
+
+
 def _value_key(x: Any) -> tuple[Any, ...]:
   """A constant by value: dtype, shape, bytes (one that is no array, such as
   a traced value, by identity)."""
