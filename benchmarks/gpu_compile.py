@@ -519,13 +519,16 @@ def flux_unrolled_model(blocks: int, image_tokens: int,
 def training_step(name: str, make: Callable, model: Model, mesh, target: str,
                   offload: bool = True) -> dict:
   device = jax.NamedSharding(mesh.abstract_mesh, jax.P())
-  placed = lambda dtype: lambda x: jax.ShapeDtypeStruct(
-      x.shape, dtype or x.dtype, sharding=device)
+
+  def placed(x, dtype=None):
+    return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=device)
+
   master = name == "float32 master adamw"
-  params = jax.tree.map(placed(jnp.float32 if master else None), model.params)
+  params = jax.tree.map(lambda p: placed(p, jnp.float32 if master else None),
+                        model.params)
   tx = make()
   state = _placed_state(tx, params, mesh, offload)
-  batch = jax.tree.map(placed(None), model.batch)
+  batch = jax.tree.map(placed, model.batch)
   host = jax.ShapeDtypeStruct((1024,), jnp.uint16, sharding=jax.NamedSharding(
       mesh.abstract_mesh, jax.P(), memory_kind="pinned_host"))
   probe = "one 2 KB host copy" in name
@@ -554,8 +557,9 @@ def training_step(name: str, make: Callable, model: Model, mesh, target: str,
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", ok.OptaxKahanWarning)
     compiled = compile_step(step, (params, state, batch, host), mesh)
-  sizes = [math.prod(x.shape) for x in jax.tree.leaves(model.params)]
-  row = report_of(compiled, sum(sizes), target, 2 * max(sizes))
+  largest = max(math.prod(x.shape) for x in jax.tree.leaves(model.params))
+  row = report_of(compiled, flux_model.num_params(model.params), target,
+                  2 * largest)
   row.update(modelled(compiled.as_text(), target))
   row["warned"] = [str(w.message) for w in caught
                    if issubclass(w.category, ok.OptaxKahanWarning)]
@@ -727,21 +731,21 @@ def training_tables(target: str, quick: bool, mesh, stamp: dict) -> list:
                    "1 x (1024 image + 512 text) tokens"))
   for model, scan, what, batch_size in models:
     rows = {}
+    quick_rows = (("kahan(optax.adamw)", "kahan(prodigy_factored())") if scan
+                  else ("kahan(optax.adamw)",))
     for cfg, (make, offload) in training_configurations().items():
-      if quick and not cfg.startswith(
-          ("kahan(optax.adamw)",) if not scan else
-          ("kahan(optax.adamw)", "kahan(prodigy_factored())")):
+      if quick and not cfg.startswith(quick_rows):
         continue
       rows[cfg] = training_step(cfg, make, model, mesh, target, offload)
       print(f"  {target} {what}: {cfg}: {rows[cfg]['compile_s']:.0f} s",
             flush=True)
-    leaves = jax.tree.leaves(model.params)
-    n = sum(math.prod(x.shape) for x in leaves)
+    n = flux_model.num_params(model.params)
     tables.append({
         **stamp, "rows": rows, "offload_saving": offload_savings(rows),
         "shapes": (f"Whole training step (forward, backward with block "
                    f"remat, update, apply) of {what} ({n / 1e6:.0f}M params, "
-                   f"{len(leaves)} leaves), batch {batch_size}")})
+                   f"{len(jax.tree.leaves(model.params))} leaves), batch "
+                   f"{batch_size}")})
   return tables
 
 

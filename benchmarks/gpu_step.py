@@ -69,9 +69,9 @@ def make_dit_step(name: str, model: str, quick: bool):
   batch = 2 if quick else 4
   dit = gpu_compile.dit_model(width, 8, model == "dit-scanned", batch, tokens)
   key = jax.random.key(0)
-  params = commit(jax.tree.map(
+  params = jax.device_put(jax.tree.map(
       lambda s: (0.02 * jax.random.normal(key, s.shape)).astype(s.dtype),
-      dit.params))
+      dit.params), jax.devices()[0])  # committed: one compile
   data = tuple(jax.random.normal(jax.random.fold_in(key, i), s.shape, s.dtype)
                for i, s in enumerate(dit.batch))
   tx = {"bf16 adamw": optax.adamw(1e-5),
@@ -87,10 +87,6 @@ def make_dit_step(name: str, model: str, quick: bool):
 
   n = sum(x.size for x in jax.tree.leaves(params))
   return step, (params, jax.jit(tx.init)(params)), data, n
-
-
-def commit(tree):
-  return jax.device_put(tree, jax.devices()[0])
 
 
 def make_step(name: str, width: int, batch: int, model: str = "unet",

@@ -87,8 +87,10 @@ def rematerialized_calls() -> int:
   """Rematerialized calls (``jax.checkpoint``, Flax's ``remat``) in the
   program being traced, so far, outside any loop: the unrolled
   rematerialized blocks of a training step whose ``jax.grad`` is traced
-  before its optimizer update (inside ``jit`` bodies too, as ``_INLINED``).
-  0 outside a trace (eager), or where jax keeps no readable record.
+  before its optimizer update (inside the calls ``_call_body`` reads through,
+  as everywhere here). 0 outside a trace (eager), or where jax keeps no
+  readable record (then ``kahan`` does not warn; tests/test_traced.py reads
+  it on every supported jax). Only a warning depends on it.
   """
   try:
     from jax._src import core  # the trace being recorded; no public API
@@ -102,11 +104,8 @@ def rematerialized_calls() -> int:
       primitive = getattr(eqn, "primitive", None)
       if _REMAT is not None and primitive is _REMAT:
         n += 1
-      elif primitive in _INLINED:
-        body = next((v for v in eqn.params.values() if isinstance(
-            v, (jex.core.Jaxpr, jex.core.ClosedJaxpr))), None)
-        if body is not None:
-          n += count(getattr(body, "jaxpr", body).eqns)
+      elif (body := _call_body(eqn)) is not None:
+        n += count(body[0].eqns)
     return n
 
   return count(eqns)
