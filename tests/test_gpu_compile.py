@@ -23,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _need_plugin() -> None:
   """Skips without jax's CUDA plugin; fails instead when CI requires it."""
-  if importlib.util.find_spec("jax_cuda12_plugin") is None:
+  if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin")
+             for v in (13, 12)):
     if os.environ.get("OPTAX_KAHAN_REQUIRE_GPU_AOT") == "1":
       pytest.fail('jax\'s CUDA plugin is missing: pip install -e ".[gpu-aot]"')
     pytest.skip('needs pip install -e ".[gpu-aot]"')
@@ -182,9 +183,13 @@ def test_streaming_quick_models_every_setup():
   for name, row in rows.items():
     assert row["step_s"] >= row["gemm_s"] > 0, name
     # The same forward and backward; XLA may skip a rematerialized gemm
-    # whose value is still live (jax 0.12's XLA, 1 + 2 blocks streamed: one
-    # block's attention recompute, 667.6 against 696.6 GFLOP), never add one.
-    assert (0.95 * ref["gemm_flops"] <= row["gemm_flops"]
+    # whose value is still live, never add one (1 + 2 blocks streamed: jax
+    # 0.12.0.1's XLA skips one block's attention recompute, 667.6 against
+    # 696.6 GFLOP; 0.12.1's one double block's recompute, 638.6, also with
+    # the first double block's residuals kept on the device). The reference
+    # recomputes each block's forward once: 4 forwards' gemms against the 3
+    # of forward and backward, so 3/4 of it is the floor.
+    assert (0.75 * ref["gemm_flops"] <= row["gemm_flops"]
             <= ref["gemm_flops"] * (1 + 1e-9)), name
     # XLA copies no host array whole (it would, to keep a value it updates
     # in place: benchmarks.host_buffers)

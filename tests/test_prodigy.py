@@ -303,15 +303,14 @@ def _reference_gradients(name="defaults", steps=60):
           {k: v[:steps] for k, v in gs.items()})
 
 
-def _bits(tree):
-  return [np.asarray(x).view(np.uint32 if x.dtype == np.float32 else np.uint64)
-          for x in jax.tree.leaves(tree)]
-
-
 @pytest.mark.parametrize("lagged_d", [False, True])
 def test_bias_corrected_clip_changes_nothing_while_the_clip_is_idle(lagged_d):
   """With a threshold no update reaches, the bias-corrected clip, the plain
-  clip and no clip give the same steps and the same d, bit for bit."""
+  clip and no clip give the same d, bit for bit, and the same steps to within
+  two float32 ulps of the step's largest element: dividing by 1 is exact,
+  but XLA:CPU (jax >= 0.12.1) contracts a multiply-add into an FMA in one
+  program and not the other (1.26 ulps measured, on the all-zero leaf; none
+  with --xla_cpu_max_isa=SSE4_2, which has no FMA)."""
   xs, gs = _reference_gradients()
   runs = [teacher_forced_steps(ok.prodigy_factored(
       update_clip=clip, bias_corrected_clip=corrected, lagged_d=lagged_d,
@@ -319,10 +318,14 @@ def test_bias_corrected_clip_changes_nothing_while_the_clip_is_idle(lagged_d):
           for clip, corrected in ((None, False), (1e6, False), (1e6, True))]
   (pred0, d0), *others = runs
   assert d0[-1] > 100 * 1e-6  # d moved
+  eps = np.finfo(np.float32).eps
   for pred, d in others:
     np.testing.assert_array_equal(d, d0)
-    for a, b in zip(_bits(pred), _bits(pred0)):
-      np.testing.assert_array_equal(a, b)
+    for k in xs:
+      a, b = (np.asarray(p[k], np.float64) for p in (pred, pred0))
+      steps = np.abs(b - xs[k][:-1]).reshape(len(b), -1).max(axis=1)
+      diffs = np.abs(a - b).reshape(len(b), -1).max(axis=1)
+      assert np.all(diffs <= 2 * eps * steps), (k, np.max(diffs / steps) / eps)
 
 
 @pytest.mark.parametrize("b1", [0.0, 0.9])
