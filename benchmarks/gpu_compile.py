@@ -491,7 +491,9 @@ def flux_unrolled_model(blocks: int, image_tokens: int,
   """FLUX.1-dev's layers (width 3072) with ``blocks`` double- and single-stream
   blocks, each block's weights leaves of their own (Flax's key paths, as in
   the checkpoints), the blocks run one after the other, each rematerialized
-  (``jax.checkpoint``) in the backward pass; batch 1."""
+  (``jax.checkpoint``) in the backward pass; batch 1. Its loss is
+  ``ok.blockwise.blockwise_loss`` with each stack's ``lax.scan`` unrolled
+  (which that function, taking stacks, cannot express)."""
   cfg = flux_model.FluxConfig(double_blocks=blocks, single_blocks=blocks)
   model = blockwise.BlockwiseModel(*flux_model.flux_blockwise(nnx.eval_shape(
       lambda: flux_model.Flux(cfg, rngs=nnx.Rngs(0))))[0])

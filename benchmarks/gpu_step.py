@@ -63,10 +63,14 @@ def configs(model: str) -> tuple[str, ...]:
   return CONFIGS if model == "unet" else DIT_CONFIGS
 
 
+def dit_sizes(quick: bool) -> tuple[int, int, int]:
+  """The DiT-like model's width, batch and tokens."""
+  return (256, 2, 256) if quick else (1024, 4, 1024)
+
+
 def make_dit_step(name: str, model: str, quick: bool):
   """The DiT-like model's step: (jitted step, carry, batch, params)."""
-  width, tokens = (256, 256) if quick else (1024, 1024)
-  batch = 2 if quick else 4
+  width, batch, tokens = dit_sizes(quick)
   dit = gpu_compile.dit_model(width, 8, model == "dit-scanned", batch, tokens)
   key = jax.random.key(0)
   params = jax.device_put(jax.tree.map(
@@ -204,8 +208,12 @@ def run(width: int, batch: int, reps: int, model: str = "unet",
         "peak_B_per_param": None if peak is None else peak / n,
         "residual_memory_kinds": kinds,
     }
-  what = (f"UNet width {width}" if model == "unet" else
-          f"DiT-like model, 8 blocks {model.split('-')[1]}, remat")
+  if model == "unet":
+    what = f"UNet width {width}, batch {batch}"
+  else:
+    width, batch, tokens = dit_sizes(quick)
+    what = (f"DiT-like model, 8 blocks of width {width} "
+            f"{model.split('-')[1]}, remat, batch {batch} x {tokens}")
   return {"params": n, "width": width, "batch": batch, "reps": reps,
           "model": what,
           "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
@@ -241,17 +249,21 @@ def main(argv=None) -> dict:
                       choices=("unet", "dit-scanned", "dit-unrolled"))
   parser.add_argument("--peak-of", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
-  # kahan's warning for host residuals with unrolled remat: what is measured
-  warnings.filterwarnings("ignore", "kahan: the residuals are in host memory",
-                          ok.OptaxKahanWarning)
+  if args.model != "unet" and (args.width or args.batch):
+    parser.error("--width and --batch size the UNet; the DiT-like model's "
+                 "sizes are fixed (--quick: the small ones)")
   width = args.width or (8 if args.quick else 384)
   batch = args.batch or (8 if args.quick else 256)
-  if args.peak_of:
-    print(json.dumps(peak_of(args.peak_of, width, batch, args.model,
-                             args.quick)))
-    return {}
-  results = run(width, batch, args.reps or (3 if args.quick else 20),
-                args.model, args.quick)
+  with warnings.catch_warnings():
+    # kahan's warning for host residuals with unrolled remat: what is measured
+    warnings.filterwarnings("ignore", "kahan: the residuals are in host "
+                            "memory", ok.OptaxKahanWarning)
+    if args.peak_of:
+      print(json.dumps(peak_of(args.peak_of, width, batch, args.model,
+                               args.quick)))
+      return {}
+    results = run(width, batch, args.reps or (3 if args.quick else 20),
+                  args.model, args.quick)
   name = "gpu_step" if args.model == "unet" else f"gpu_step_{args.model}"
   report.save(name, to_markdown(results), results, args.quick)
   return results

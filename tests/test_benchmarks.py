@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 
 import numpy as np
 
@@ -92,8 +93,13 @@ def test_gpu_step_quick_runs_every_configuration_on_cpu():
 
 @pytest.mark.slow
 def test_gpu_step_runs_the_dit_steps_with_residuals_where_asked():
+  filters = list(warnings.filters)
   results = gpu_step.main(["--quick", "--reps", "1", "--model",
                            "dit-unrolled"])
+  assert warnings.filters == filters  # its ignored warning stays inside
+  assert (results["width"], results["batch"]) == gpu_step.dit_sizes(True)[:2]
+  with pytest.raises(SystemExit):  # the UNet's sizes: refused, not ignored
+    gpu_step.main(["--quick", "--model", "dit-unrolled", "--width", "64"])
   rows = results["rows"]
   assert set(rows) == set(gpu_step.DIT_CONFIGS)
   assert rows["kahan(adamw)"]["residual_memory_kinds"] == ["pinned_host"]
