@@ -65,9 +65,12 @@ def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2,
   leaves, treedef = jax.tree.flatten(abstract)
   keys = jax.random.split(jax.random.key(0), len(leaves))
   device = jax.devices()[0]
-  params = treedef.unflatten([
-      jax.device_put(0.02 * jax.random.normal(k, x.shape, x.dtype), device)
-      for k, x in zip(keys, leaves)])
+  # one program for every leaf (eagerly, one compile per distinct shape)
+  params = jax.jit(lambda keys: treedef.unflatten([
+      0.02 * jax.random.normal(k, x.shape, x.dtype)
+      for k, x in zip(keys, leaves)]),
+                   out_shardings=jax.sharding.SingleDeviceSharding(device))(
+                       keys)
   tx = ok.kahan(ok.prodigy_factored(lagged_d=True, state_dtype=jnp.bfloat16),
                 offload=setup != "residuals on the device")
   state = ok.blockwise.blockwise_init(tx, params)
