@@ -477,6 +477,28 @@ def test_for_each_leaf_orders_rows_without_conditionals_on_gpus(monkeypatch):
   assert float(out[1][1]) == 4.0
 
 
+def test_the_gpu_form_runs_rows_in_ascending_order_of_host_bytes(monkeypatch):
+  """On a GPU row i's host inputs come in while row i-1's outputs go out, so
+  the rows run sorted by their bytes in host memory (stable: rows of equal
+  bytes, and rows with none, keep their order); the outputs come back in
+  the rows' order."""
+  host = lambda n: jax.device_put(jnp.arange(n, dtype=jnp.uint16),
+                                  jax.memory.Space.Host)
+  rows = [host(8), jnp.ones(100), host(2), host(8), host(4)]
+  ran = []
+
+  def fn(x, i):
+    ran.append((x.shape[0], i))
+    return jnp.sum(x.astype(jnp.float32)) + i, x[:1]
+  _force_gpu_form(monkeypatch)
+  out = jax.jit(lambda r: ok.per_leaf.for_each_leaf(fn, r, list(range(5))))(
+      rows)
+  assert ran == [(100, 1), (2, 2), (4, 4), (8, 0), (8, 3)]
+  for i, row in enumerate(rows):
+    np.testing.assert_array_equal(
+        out[i][0], np.sum(np.asarray(row, np.float32)) + i)
+
+
 def test_warning_free_kahan_steps():
   # The package's own steps raise none of its warnings on committed params.
   with warnings.catch_warnings():
