@@ -225,9 +225,9 @@ def _chain(fn: Callable[..., Any], rows: list[Any], after: Any) -> list[Any]:
   copies of about the same size share the two PCIe directions. In tree
   order a model's large kernels and small biases alternate, each pair of
   copies costs its larger one, and the step takes about both directions'
-  time (FLUX.1-dev's layers, 1 + 1 blocks unrolled, a whole training step
-  compiled for an H200: modelled 70.1 ms in tree order, 42.7 ms in this
-  one, against a PCIe floor of 31.8 ms; docs/guides/gpu.md).
+  time (``python -m benchmarks.gpu_compile``: FLUX.1-dev's layers, 2 + 2
+  blocks unrolled, a whole training step compiled for an H200, modelled at
+  85.0 ms in this order against a PCIe floor of 59.8 ms; docs/guides/gpu.md).
   """
   order = sorted(range(len(rows)), key=lambda i: _host_bytes(rows[i]))
   outs: list[Any] = [None] * len(rows)
