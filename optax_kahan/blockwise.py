@@ -1,7 +1,8 @@
 """Models as blocks: the blockwise step, streaming, and stacked blocks.
 
 ``blockwise_step`` updates each block inside the backward pass,
-``stream_blocks`` keeps blocks in host memory, ``per_block`` maps a
+``stream_blocks`` keeps blocks in host memory, ``plan`` chooses which for
+a card from compiled candidates, ``per_block`` maps a
 transformation over stacked blocks. See docs/guides/flux.md.
 """
 
@@ -17,6 +18,9 @@ from optax_kahan._src.double_buffer import front_buffers
 from optax_kahan._src.blockwise.streaming import join_stacks
 from optax_kahan._src.blockwise.flax_adapters import linen_apply
 from optax_kahan._src.blockwise.flax_adapters import nnx_blockwise
+from optax_kahan._src.blockwise.plan import Layout
+from optax_kahan._src.blockwise.plan import Plan
+from optax_kahan._src.blockwise.plan import plan
 from optax_kahan._src.blockwise.model import num_blocks
 from optax_kahan._src.blockwise.streaming import stream_blocks
 from optax_kahan._src.blockwise.streaming import STREAMING_COMPILER_OPTIONS
@@ -28,6 +32,7 @@ __all__ = (
     "BlockwiseModel", "BlockwiseParams", "BlockwiseState", "DoubleBuffer",
     "STREAMING_COMPILER_OPTIONS", "block_axes_of", "blockwise_init",
     "blockwise_loss", "blockwise_step", "continue_stack", "front_buffers",
-    "join_stacks", "linen_apply", "nnx_blockwise", "num_blocks", "per_block",
+    "Layout", "Plan", "join_stacks", "linen_apply", "nnx_blockwise",
+    "num_blocks", "per_block", "plan",
     "stream_blocks", "with_front_buffers",
 )

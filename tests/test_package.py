@@ -21,7 +21,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "optax_kahan" / "_src"
 # streamed layout and late sums, its residual accessors, its step; the Flax
 # adapters, the train state and the NNX optimizer; the known-answer check.
 LAYERS = [
-    {"bits", "validation", "double_buffer"},
+    {"bits", "validation", "double_buffer", "gpu_targets", "timeline"},
     {"placement", "leaves"},
     {"per_leaf"},
     {"traced"},
@@ -33,7 +33,8 @@ LAYERS = [
     {"blockwise.pipeline", "blockwise.streaming", "blockwise.late_sums",
      "blockwise.residuals"},
     {"blockwise.step"},
-    {"blockwise.flax_adapters", "train_state", "nnx_optimizer"},
+    {"blockwise.flax_adapters", "blockwise.plan", "train_state",
+     "nnx_optimizer"},
     {"known_answer"},
 ]
 LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}

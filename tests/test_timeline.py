@@ -8,7 +8,7 @@ rules, so the replay is checked, not just run.
 
 import pytest
 
-from benchmarks import timeline
+from optax_kahan._src import timeline
 
 HLO = """HloModule m, is_scheduled=true
 
