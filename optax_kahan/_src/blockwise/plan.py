@@ -325,8 +325,8 @@ def plan(
     target: ``"h100"`` or ``"h200"``: compile for it without a GPU. None:
       for this machine's GPU.
     margin: device memory left free beside the peak (bytes).
-    progress: print a line per compile (each takes minutes at FLUX.1-dev's
-      size).
+    progress: print a line per compile (30 to 60 s each at FLUX.1-dev's
+      size, deviceless on a CPU).
 
   Returns:
     A ``Plan``: ``plan.stream(model, params, state)`` lays out the blocks,
@@ -479,7 +479,9 @@ class _Candidates:
 
 def _families(batches: Sequence[int], host_state: bool) -> list[Layout]:
   """Every layout but its streamed count, in the order searched: larger
-  batches first, then the layouts that move fewer bytes."""
+  batches first; then the activations on the device, spare buffers and
+  the residuals of the blocks not streamed on the device first (the faster
+  ones where they fit: a best found early drops more families)."""
   return [Layout(b, (), spare, kept, act)
           for b in sorted(set(batches), reverse=True)
           for act in (False, True)
