@@ -229,7 +229,7 @@ def _chain(fn: Callable[..., Any], rows: list[Any], after: Any) -> list[Any]:
   blocks unrolled, a whole training step compiled for an H200, modelled at
   85.0 ms in this order against a PCIe floor of 59.8 ms; docs/guides/gpu.md).
   """
-  order = sorted(range(len(rows)), key=lambda i: _host_bytes(rows[i]))
+  order = sorted(range(len(rows)), key=lambda i: placement.host_bytes(rows[i]))
   outs: list[Any] = [None] * len(rows)
   _, token = tie(after, jax.lax.optimization_barrier(jnp.zeros([], jnp.int32)))
   prev = token  # the row before the last's: its host inputs gate ours
@@ -241,12 +241,6 @@ def _chain(fn: Callable[..., Any], rows: list[Any], after: Any) -> list[Any]:
     outs[i] = (free, chained)
     prev, token = token, new
   return outs
-
-
-def _host_bytes(row: Any) -> int:
-  """The bytes of a row's arrays in host memory."""
-  return sum(x.size * jnp.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(row) if placement.on_host(x))
 
 
 def _island(fn: Callable[..., Any], token: jax.Array, *args: Any

@@ -1,8 +1,10 @@
 """Where arrays live: host or device memory, and committed to a device."""
 
+import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from optax_kahan._src import validation
 
@@ -30,6 +32,12 @@ def in_host_memory(x: Any) -> bool:
   """An array, or an abstract ``jax.ShapeDtypeStruct``, in host memory."""
   return on_host(x) or getattr(
       getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"
+
+
+def host_bytes(tree: Any) -> int:
+  """The bytes of ``tree``'s arrays (or abstract ones) in host memory."""
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree) if in_host_memory(x))
 
 
 def commit_with(state: Any, params: Any, where: str) -> Any:

@@ -441,10 +441,7 @@ class _Candidates:
     key = (layout.num_streamed, layout.spare_buffers,
            layout.residuals_on_device)
     if key not in self._host_bytes:
-      self._host_bytes[key] = sum(
-          math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-          for x in jax.tree.leaves(self.stream(layout)[1:])
-          if placement.in_host_memory(x))
+      self._host_bytes[key] = placement.host_bytes(self.stream(layout)[1:])
     return self._host_bytes[key]
 
   def figures(self, layout: Layout) -> Figures:
