@@ -93,11 +93,12 @@ def make_tx(offload: bool = True):
 def compile_row(cfg, target: str, batch: int, offload: bool,
                 streamed: Optional[tuple[int, ...]], spare: bool = True,
                 options: bool = True, activations: bool = False,
-                kept: Optional[tuple[int, ...]] = None) -> dict[str, Any]:
+                kept: Optional[tuple[int, ...]] = None,
+                interleave: bool = False) -> dict[str, Any]:
   """One step compiled (with ``STREAMING_COMPILER_OPTIONS``, or XLA's
   defaults; ``activations``: the blocks' saved inputs in host memory;
-  ``kept``: ``stream_blocks``' ``residuals_on_device``); its peak and
-  modeled time."""
+  ``kept``: ``stream_blocks``' ``residuals_on_device``; ``interleave``:
+  its ``interleave``, with ``spare`` False); its peak and modeled time."""
   mesh = gpu_compile.gpu_mesh(target)
   device = jax.NamedSharding(mesh.abstract_mesh, jax.P())
   host = jax.NamedSharding(mesh.abstract_mesh, jax.P(),
@@ -112,7 +113,7 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   if streamed is not None:
     model, params, state = ok.blockwise.stream_blocks(
         model, params, state, streamed, spare_buffers=spare,
-        residuals_on_device=kept)
+        interleave=interleave, residuals_on_device=kept)
   b = jax.tree.map(sds, flux_model.batch_spec(cfg, batch, 4096, 512))
   t0 = time.perf_counter()
   compiled = gpu_compile.compile_step(
@@ -125,6 +126,7 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
           - m.alias_size_in_bytes + m.temp_size_in_bytes)
   t = timeline.model(compiled.as_text())
   row = {"batch": batch, "offload": offload, "spare": spare,
+         "interleave": interleave,
          "options": options, "activations": activations,
          "streamed": None if streamed is None else list(streamed),
          "kept": None if kept is None else list(kept),
@@ -367,6 +369,36 @@ def kept_rows(cfg, target: str) -> dict[str, dict]:
   return rows
 
 
+def interleave_rows(cfg, target: str, quick: bool) -> dict[str, dict]:
+  """One buffer per leaf against ``stream_blocks(..., interleave=True)``
+  (the same host bytes, dealt three ways), activations in host memory, at
+  the layouts ``plan`` and ``--cards`` found for a 16 GiB card within 64 GB
+  (batch 4, residuals of the 4 double-stream blocks not streamed on the
+  device) and at batch 8, every block streamed or all but one; each beside
+  the residuals-on-device step at its batch."""
+  layouts = ([(2, (2, 4), None)] if quick else
+             [(4, (15, 38), (4, 0)), (8, (19, 38), None),
+              (8, (18, 38), None)])
+  rows = {}
+  for batch, streamed, kept in layouts:
+    name = f"residuals on the device, batch {batch}"
+    if name not in rows:
+      rows[name] = compile_row(cfg, target, batch, False, None)
+      rows[name]["ratio"] = 1.0
+    ref = rows[name]
+    where = (f", the first {kept[0]} double-stream blocks' residuals on the "
+             "device" if kept else "")
+    for interleave in (False, True):
+      row = compile_row(cfg, target, batch, True, streamed, spare=False,
+                        activations=True, kept=kept, interleave=interleave)
+      row["ratio"] = row["step_s"] / ref["step_s"]
+      how = ("interleaved (three host arrays per leaf)" if interleave
+             else "one buffer per leaf")
+      rows[f"`{streamed}` streamed, {how}, activations in host memory"
+           f"{where}, batch {batch}"] = row
+  return rows
+
+
 def to_markdown(r: dict) -> str:
   lines = [
       f"Compiled for {r['target_name']}, not run ({r['date']}, jax "
@@ -440,6 +472,10 @@ def main(argv=None) -> dict:
                       help="the residuals in host memory but the first 0, "
                       "5 or 10 double-stream blocks', batch 1 and 2, to "
                       "results/streaming_residuals_on_device")
+  parser.add_argument("--interleave", action="store_true",
+                      help="one buffer per leaf against interleave=True at "
+                      "batch 4 (15 + 38 streamed) and 8 (19 or 18 + 38), to "
+                      "results/streaming_interleave")
   parser.add_argument("--device-residuals", action="store_true",
                       help="with --fit: kahan(..., offload=False), the "
                       "blocks not streamed keep their residuals on the "
@@ -459,6 +495,8 @@ def main(argv=None) -> dict:
     rows = activation_rows(cfg, args.target, tuple(args.batch or (2, 4)))
   elif args.residuals_on_device:
     rows = kept_rows(cfg, args.target)
+  elif args.interleave:
+    rows = interleave_rows(cfg, args.target, args.quick)
   elif args.fit:
     d, s, row = fewest_streamed(cfg, args.target, args.fit * 1e9,
                                 not args.one_buffer,
@@ -486,6 +524,7 @@ def main(argv=None) -> dict:
   name = ("streaming_cards" if args.cards else
           "streaming_activations" if args.activations else
           "streaming_residuals_on_device" if args.residuals_on_device else
+          "streaming_interleave" if args.interleave else
           f"streaming_fit{args.fit:g}" if args.fit else "streaming")
   r["batches"] = list(batches) if args.cards else None
   r["max_host_gb"] = (args.max_host if args.cards and math.isfinite(

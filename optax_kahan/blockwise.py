@@ -15,6 +15,7 @@ from optax_kahan._src.blockwise.model import BlockwiseState
 from optax_kahan._src.blockwise.model import continue_stack
 from optax_kahan._src.double_buffer import DoubleBuffer
 from optax_kahan._src.double_buffer import front_buffers
+from optax_kahan._src.interleaved import Interleaved
 from optax_kahan._src.blockwise.streaming import join_stacks
 from optax_kahan._src.blockwise.flax_adapters import linen_apply
 from optax_kahan._src.blockwise.flax_adapters import nnx_blockwise
@@ -32,7 +33,7 @@ __all__ = (
     "BlockwiseModel", "BlockwiseParams", "BlockwiseState", "DoubleBuffer",
     "STREAMING_COMPILER_OPTIONS", "block_axes_of", "blockwise_init",
     "blockwise_loss", "blockwise_step", "continue_stack", "front_buffers",
-    "Layout", "Plan", "join_stacks", "linen_apply", "nnx_blockwise",
+    "Interleaved", "Layout", "Plan", "join_stacks", "linen_apply", "nnx_blockwise",
     "num_blocks", "per_block", "plan",
     "stream_blocks", "with_front_buffers",
 )

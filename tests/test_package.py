@@ -21,8 +21,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "optax_kahan" / "_src"
 # streamed layout and late sums, its residual accessors, its step; the Flax
 # adapters, the train state and the NNX optimizer; the known-answer check.
 LAYERS = [
-    {"bits", "validation", "double_buffer", "gpu_targets", "timeline"},
-    {"placement", "leaves"},
+    {"bits", "validation", "interleaved", "gpu_targets", "timeline"},
+    {"placement", "leaves", "double_buffer"},
     {"per_leaf"},
     {"traced"},
     {"second_moment", "bias_corrected_clip", "stochastic_rounding",

@@ -49,14 +49,16 @@ def test_plan_refuses_xla_cpu_without_a_target_and_bad_arguments():
             batches=(0, 2))
 
 
-def test_a_plans_stream_and_step_train_as_the_plain_step():
+@pytest.mark.parametrize("spare, interleave", [(True, False),
+                                               (False, True)])
+def test_a_plans_stream_and_step_train_as_the_plain_step(spare, interleave):
   """What ``plan`` returns is used as is: its ``stream`` lays out the blocks
-  (streamed counts, spares, residuals kept on the device) and its
-  ``jit_step`` runs them (activations in host memory): bit for bit the
-  plain step's weights and residuals."""
-  layout = plan_lib.Layout(batch=2, num_streamed=(1, 1), spare_buffers=True,
+  (streamed counts, spares or interleaved host arrays, residuals kept on the
+  device) and its ``jit_step`` runs them (activations in host memory): bit
+  for bit the plain step's weights and residuals."""
+  layout = plan_lib.Layout(batch=2, num_streamed=(1, 1), spare_buffers=spare,
                            residuals_on_device=True,
-                           offload_activations=True)
+                           offload_activations=True, interleave=interleave)
   figures = plan_lib.Figures(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
   p = plan_lib.Plan(layout, figures, 1.0, 1.0, "h200", 0, ())
   tx = ok.kahan(optax.adamw(1e-2))
@@ -66,6 +68,9 @@ def test_a_plans_stream_and_step_train_as_the_plain_step():
   params = init_params(jnp.bfloat16)
   model, params, state = p.stream(MODEL, params,
                                   bw.blockwise_init(tx, params))
+  dealt = lambda x: isinstance(x, bw.Interleaved)
+  assert any(map(dealt, jax.tree.leaves((params, state), is_leaf=dealt))
+             ) == interleave
   # the first stack's first 2 blocks keep their residuals on the device
   first = jax.tree.leaves(ok.kahan_residuals(state.stacks[0]))[0]
   assert first.sharding.memory_kind == "device"
@@ -135,7 +140,7 @@ def test_the_search_picks_what_brute_force_picks_looking_at_fewer():
   looked = everything = found = 0
   for case in range(300):
     counts = tuple(int(c) for c in rng.integers(1, 7, size=rng.integers(1, 4)))
-    families = plan_lib._families((1, 2, 4), bool(case % 2))
+    families = plan_lib._families((1, 2, 4), bool(case % 2), case % 3 == 1)
     table = _Table(rng, counts, families)
     peaks = sorted(f.peak_bytes for f, _ in table.rows.values())
     hosts = sorted(f.host_bytes for f, _ in table.rows.values())

@@ -15,6 +15,8 @@ import pytest
 
 import optax_kahan as ok
 from optax_kahan import blockwise as bw
+from optax_kahan._src import interleaved
+from optax_kahan._src import placement
 from optax_kahan._src.blockwise import pipeline
 from tests.test_blockwise import JOINED
 from tests.test_blockwise import MODEL
@@ -416,3 +418,134 @@ def test_residual_helpers_refuse_a_streamed_layout_naming_front_buffers():
     ok.kahan_apply_updates(params, plain_p, residuals)
   w32 = ok.kahan_to_float32(plain_p, ok.blockwise.front_buffers(residuals))
   np.testing.assert_array_equal(w32["w"], 1.0)
+
+
+# -- interleave=True: each streamed leaf dealt into three host arrays --------
+
+def _chain(n, width=8):
+  """A stack of ``n`` blocks of one matrix and one bias each, bf16."""
+  k = jax.random.split(jax.random.key(n), 3)
+  model = bw.BlockwiseModel(
+      embed=lambda p, x: (x * p["w"], ()),
+      blocks=(lambda p, h, _: jnp.tanh(h @ p["w"]) + p["b"],),
+      head=lambda p, h, _, x: jnp.mean((h @ p["w"] - x) ** 2))
+  params = jax.device_put(bw.BlockwiseParams(
+      embed={"w": jnp.ones(width, jnp.bfloat16)},
+      stacks=({"w": (jax.random.normal(k[0], (n, width, width))
+                     / width ** 0.5).astype(jnp.bfloat16),
+               "b": (0.1 * jax.random.normal(k[1], (n, width))
+                     ).astype(jnp.bfloat16)},),
+      head={"w": jnp.eye(width, dtype=jnp.bfloat16)}), jax.devices()[0])
+  return model, params
+
+
+def _chain_steps(model, tx, params, state, activations, steps=2):
+  step = jax.jit(lambda p, s, b: bw.blockwise_step(
+      model, tx, p, s, b, offload_activations=activations),
+                 donate_argnums=(0, 1))
+  losses = []
+  for i in range(steps):
+    loss, params, state = step(params, state,
+                               jnp.arange(8.0, dtype=jnp.bfloat16) + i)
+    losses.append(float(loss))
+  return losses, params, state
+
+
+# The loop runs three blocks per iteration after the top 1, 2 or 3 blocks:
+# every top count, with and without a loop, parts of 0 rows, part of a
+# stack streamed, activations on either side.
+@pytest.mark.parametrize("n, k, activations", [
+    (7, 4, False), (6, 6, True)] + [
+    pytest.param(n, k, a, marks=pytest.mark.slow)  # 5 s each
+    for n, k, a in ((1, 1, False), (2, 2, True), (3, 3, True), (4, 4, False),
+                    (5, 5, True), (7, 7, True), (8, 8, False), (8, 1, True),
+                    (6, 0, False), (9, 9, True))])
+def test_interleaved_layouts_train_as_the_plain_step(n, k, activations):
+  tx = ok.kahan(optax.adamw(1e-2))
+  model, params = _chain(n)
+  state = bw.blockwise_init(tx, params)
+  want = _chain_steps(model, tx, jax.tree.map(jnp.copy, params),
+                      jax.tree.map(jnp.copy, state), activations)
+  smodel, sparams, sstate = bw.stream_blocks(model, params, state, (k,),
+                                             interleave=True)
+  assert not _doubles((sparams, sstate))
+  # every stacked leaf in host memory is dealt three ways: the streamed
+  # part's weights and state, the other part's residuals
+  leaves = jax.tree.leaves((sparams.stacks, sstate.stacks),
+                           is_leaf=_is_interleaved)
+  assert not any(map(placement.in_host_memory, leaves))
+  dealt = [x for x in leaves if _is_interleaved(x)]
+  assert len(dealt) == 9 * (k > 0) + 2 * (k < n)  # w, b; mu, nu, residuals
+  got = _chain_steps(smodel, tx, sparams, sstate, activations)
+  # The same arithmetic: bit for bit with jax 0.10.2. XLA:CPU compiles the
+  # two programs apart, and jax >= 0.12.1 contracts a multiply-add into an
+  # FMA in one and not the other (none with --xla_cpu_max_isa=SSE4_2, which
+  # has no FMA): one ulp of a float32 master weight after the first step,
+  # up to 8 after the second (through Adam's moments), in 7 of these 12
+  # cases. A block read from another row or part is off by far more.
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  masters = [ok.kahan_to_float32(
+      bw.join_stacks(smodel, run[1])[1] if run is got else run[1],
+      bw.join_stacks(smodel, ok.kahan_residuals(run[2]))[1]
+      if run is got else ok.kahan_residuals(run[2])).stacks
+             for run in (got, want)]
+  assert _ulps(*masters) <= 16
+  for x in jax.tree.leaves(got[1:], is_leaf=_is_interleaved):
+    if _is_interleaved(x):  # still in host memory, dealt the same way
+      assert {p.sharding.memory_kind for p in x.parts} == {"pinned_host"}
+      assert x.num_blocks in (k, n - k)
+
+
+def _ulps(a, b):
+  """The largest distance in float32 ulps between two trees of arrays."""
+  worst = 0
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    ix, iy = (np.asarray(v, np.float32).view(np.int32).astype(np.int64)
+              for v in (x, y))
+    ix, iy = (np.where(i < 0, -(i & 0x7FFFFFFF), i) for i in (ix, iy))
+    worst = max(worst, int(np.max(np.abs(ix - iy), initial=0)))
+  return worst
+
+
+def _is_interleaved(x):
+  return isinstance(x, ok.blockwise.Interleaved)
+
+
+def test_interleave_deals_block_b_to_row_b_div_3_of_part_b_mod_3():
+  x = jnp.arange(7 * 2).reshape(7, 2)
+  d = interleaved.interleave(x)
+  assert d.num_blocks == 7 and d.block_shape == (2,)
+  for b in range(7):
+    np.testing.assert_array_equal(d.parts[b % 3][b // 3], x[b])
+  np.testing.assert_array_equal(interleaved.deinterleave(d), x)
+  sds = interleaved.interleave(jax.ShapeDtypeStruct((7, 2), jnp.bfloat16))
+  assert [p.shape for p in sds.parts] == [(3, 2), (2, 2), (2, 2)]
+
+
+def test_interleave_is_one_choice_beside_spare_buffers():
+  tx = ok.kahan(optax.adamw(1e-3))
+  model, params = _chain(4)
+  state = bw.blockwise_init(tx, params)
+  with pytest.raises(ValueError, match="spare_buffers=True and "
+                     "interleave=True .* choose one"):
+    bw.stream_blocks(model, params, state, (2,), spare_buffers=True,
+                     interleave=True)
+  with pytest.raises(TypeError, match="interleave must be True or False"):
+    bw.stream_blocks(model, params, state, (2,), interleave=1)
+  smodel, sparams, sstate = bw.stream_blocks(model, params, state, (2,),
+                                             interleave=True)
+  # one host copy: the streamed bytes once, not twice
+  assert placement.host_bytes((sparams, sstate)) == placement.host_bytes(
+      bw.stream_blocks(model, params, state, (2,), spare_buffers=False)[1:])
+  # the forward pass reads the parts in block order
+  x = jnp.arange(8.0, dtype=jnp.bfloat16)
+  assert float(bw.blockwise_loss(model, params, x)) == float(
+      bw.blockwise_loss(smodel, sparams, x))
+  # a checkpoint of the values restores into the layout as it is
+  values = bw.front_buffers((sparams, sstate))
+  again = bw.with_front_buffers((sparams, sstate), values)
+  assert jax.tree.structure(again) == jax.tree.structure((sparams, sstate))
+  # what takes plain arrays names the layout and the way back
+  with pytest.raises(ValueError, match=r"kahan_to_float32: params leaf "
+                     r"\.stacks\[1\]\['b'\] is Interleaved.*join_stacks"):
+    ok.kahan_to_float32(sparams, ok.kahan_residuals(sstate))

@@ -4,6 +4,8 @@ from typing import Any
 
 import jax
 
+from optax_kahan._src.interleaved import is_interleaved
+
 
 @jax.tree_util.register_pytree_node_class
 class DoubleBuffer:
@@ -62,12 +64,20 @@ def front_buffers(tree: Any) -> Any:
 
 def check_not_doubled(tree: Any, what: str, arg: str,
                       instead: str = "") -> None:
-  """Refuses a ``DoubleBuffer`` in ``tree``: ``what`` takes plain arrays."""
+  """Refuses a ``DoubleBuffer`` or ``Interleaved`` leaf in ``tree``: ``what``
+  takes plain arrays."""
+  is_layout = lambda x: is_double(x) or is_interleaved(x)
   for path, x in jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=is_double)[0]:
+      tree, is_leaf=is_layout)[0]:
     if is_double(x):
       raise ValueError(
           f"{what}: {arg} leaf {jax.tree_util.keystr(path)} is a "
           "DoubleBuffer (a streamed layout from stream_blocks), whose spare "
           "half means nothing here; "
           + (instead or f"pass ok.blockwise.front_buffers({arg})"))
+    if is_interleaved(x):
+      raise ValueError(
+          f"{what}: {arg} leaf {jax.tree_util.keystr(path)} is Interleaved "
+          "(a streamed layout from stream_blocks(..., interleave=True)), its "
+          "blocks dealt into three arrays; "
+          + (instead or "join the stacks first (ok.blockwise.join_stacks)"))

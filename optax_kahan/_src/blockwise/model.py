@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_kahan._src.interleaved import is_interleaved
+
 Carry = Any
 Consts = Any
 Batch = Any
@@ -98,12 +100,13 @@ def check_stacks(params: Any) -> None:
           f"{len(stack)} entries; a stack is one tree whose leaves carry the "
           "blocks on a leading axis: jax.tree.map(lambda *b: jnp.stack(b), "
           "*blocks)")
-    flat = jax.tree_util.tree_flatten_with_path(stack)[0]
+    flat = jax.tree_util.tree_flatten_with_path(stack,
+                                                is_leaf=is_interleaved)[0]
     if not flat:
       raise ValueError(f"params.stacks[{s}] has no arrays")
-    first_path, first = flat[0][0], jnp.shape(flat[0][1])
+    first_path, first = flat[0][0], stacked_shape(flat[0][1])
     for path, x in flat:
-      shape = jnp.shape(x)
+      shape = stacked_shape(x)
       if not shape or not first or shape[0] != first[0]:
         raise ValueError(
             f"params.stacks[{s}]: every leaf needs the same leading (block) "
@@ -112,12 +115,19 @@ def check_stacks(params: Any) -> None:
             f"{jax.tree_util.keystr(first_path)} {list(first)}")
 
 
+def stacked_shape(x: Any) -> tuple[int, ...]:
+  """A stacked leaf's shape, blocks first (an ``Interleaved`` one's too)."""
+  if is_interleaved(x):
+    return (x.num_blocks, *x.block_shape)
+  return tuple(jnp.shape(x))
+
+
 def num_blocks(stack: Any) -> int:
   """The number of blocks in a stack (its leaves' leading axis)."""
-  leaves = jax.tree.leaves(stack)
-  if not leaves or not jnp.shape(leaves[0]):
+  leaves = jax.tree.leaves(stack, is_leaf=is_interleaved)
+  if not leaves or not stacked_shape(leaves[0]):
     raise ValueError(
         f"num_blocks: a stack is a tree whose leaves have a leading block "
         f"axis; got {'no leaves' if not leaves else 'a scalar leaf'}")
-  return jnp.shape(leaves[0])[0]
+  return stacked_shape(leaves[0])[0]
 

@@ -22,6 +22,7 @@ import optax
 from optax_kahan._src import gpu_targets
 from optax_kahan._src import placement
 from optax_kahan._src import timeline
+from optax_kahan._src import validation
 from optax_kahan._src.blockwise.model import BlockwiseModel
 from optax_kahan._src.blockwise.model import BlockwiseParams
 from optax_kahan._src.blockwise.model import BlockwiseState
@@ -58,16 +59,21 @@ class Layout:
       ``kahan``'s residuals included, on the device.
     offload_activations: the blocks' saved inputs in host memory
       (``blockwise_step``'s ``offload_activations``).
+    interleave: each streamed leaf dealt into three host arrays
+      (``stream_blocks``' ``interleave``; no spare buffers).
   """
   batch: int
   num_streamed: tuple[int, ...]
   spare_buffers: bool
   residuals_on_device: bool
   offload_activations: bool
+  interleave: bool = False
 
   def describe(self) -> str:
-    parts = [f"batch {self.batch}", f"{self.num_streamed} streamed",
-             "spare buffers" if self.spare_buffers else "one buffer per leaf"]
+    buffers = ("spare buffers" if self.spare_buffers else
+               "interleaved host arrays" if self.interleave else
+               "one buffer per leaf")
+    parts = [f"batch {self.batch}", f"{self.num_streamed} streamed", buffers]
     if self.residuals_on_device:
       parts.append("residuals of the blocks not streamed on the device")
     if self.offload_activations:
@@ -140,6 +146,7 @@ class Plan:
     """``stream_blocks`` with this layout: ``(model, params, state)``."""
     return stream_blocks(model, params, state, self.layout.num_streamed,
                          spare_buffers=self.layout.spare_buffers,
+                         interleave=self.layout.interleave,
                          residuals_on_device=_kept(self.layout, params))
 
   def jit_step(self, model: BlockwiseModel,
@@ -264,6 +271,7 @@ def plan(
     batches: Sequence[int] = (1, 2, 4, 8),
     target: Optional[str] = None,
     margin: float = MARGIN,
+    interleave: bool = False,
     progress: bool = True,
 ) -> Plan:
   r"""The streamed layout with the fastest modeled step per sample that fits.
@@ -325,6 +333,10 @@ def plan(
     target: ``"h100"`` or ``"h200"``: compile for it without a GPU. None:
       for this machine's GPU.
     margin: device memory left free beside the peak (bytes).
+    interleave: also try each streamed leaf dealt into three host arrays
+      (``stream_blocks(..., interleave=True)``): one buffer's host bytes,
+      the copies independent, at a higher compiled peak; a third of the
+      families more to compile.
     progress: print a line per compile (30 to 60 s each at FLUX.1-dev's
       size, deviceless on a CPU).
 
@@ -354,7 +366,8 @@ def plan(
   search = _candidates(model, params, tx, batch, target)
   search.progress, search.looked = progress, {}
   compiled_before = search.compiles
-  families = _families(batches, search.host_state)
+  validation.check_bool("plan", "interleave", interleave)
+  families = _families(batches, search.host_state, interleave)
   best = _search(search, families, device_budget, host_budget)
   seen = {layout: search.seen[layout] for layout in search.looked}
   if best is None and not seen:  # no candidate's host arguments fit
@@ -434,11 +447,12 @@ class _Candidates:
     return stream_blocks(self.model, self.params, self.state,
                          layout.num_streamed,
                          spare_buffers=layout.spare_buffers,
+                         interleave=layout.interleave,
                          residuals_on_device=_kept(layout, self.params))
 
   def host_argument_bytes(self, layout: Layout) -> int:
     """Its params' and state's bytes in host memory (no compile)."""
-    key = (layout.num_streamed, layout.spare_buffers,
+    key = (layout.num_streamed, layout.spare_buffers, layout.interleave,
            layout.residuals_on_device)
     if key not in self._host_bytes:
       self._host_bytes[key] = placement.host_bytes(self.stream(layout)[1:])
@@ -474,15 +488,18 @@ class _Candidates:
     return self.seen[layout]
 
 
-def _families(batches: Sequence[int], host_state: bool) -> list[Layout]:
+def _families(batches: Sequence[int], host_state: bool,
+              interleave: bool = False) -> list[Layout]:
   """Every layout but its streamed count, in the order searched: larger
-  batches first; then the activations on the device, spare buffers and
-  the residuals of the blocks not streamed on the device first (the faster
-  ones where they fit: a best found early drops more families)."""
-  return [Layout(b, (), spare, kept, act)
+  batches first; then the activations on the device, spare buffers (then
+  interleaved host arrays, if asked) and the residuals of the blocks not
+  streamed on the device first (the faster ones where they fit: a best
+  found early drops more families)."""
+  buffers = [(True, False)] + [(False, True)] * interleave + [(False, False)]
+  return [Layout(b, (), spare, kept, act, dealt)
           for b in sorted(set(batches), reverse=True)
           for act in (False, True)
-          for spare in (True, False)
+          for spare, dealt in buffers
           for kept in ((True, False) if host_state else (False,))]
 
 

@@ -30,11 +30,13 @@ from optax_kahan._src.blockwise.model import BlockwiseState
 from optax_kahan._src.blockwise.model import check_params
 from optax_kahan._src.blockwise.model import check_stacks
 from optax_kahan._src.blockwise.model import num_blocks
+from optax_kahan._src.blockwise.model import stacked_shape
 from optax_kahan._src.blockwise import pipeline
 from optax_kahan._src.blockwise.streaming import flip
 from optax_kahan._src.double_buffer import check_not_doubled
 from optax_kahan._src.double_buffer import front_buffers
 from optax_kahan._src.double_buffer import is_double
+from optax_kahan._src.interleaved import is_interleaved
 from optax_kahan._src.kahan import no_step_counter
 
 
@@ -85,8 +87,9 @@ def blockwise_loss(model: BlockwiseModel, params: BlockwiseParams,
   params = front_buffers(params)
   carry, consts = model.embed(params.embed, batch)
   for s, stack in enumerate(params.stacks):
-    carry, _ = pipeline.forward_stack(jax.checkpoint(model.blocks[s]), stack,
-                                      carry, consts)
+    forward = (pipeline.forward_interleaved if pipeline.interleaved_in(stack)
+               else pipeline.forward_stack)
+    carry, _ = forward(jax.checkpoint(model.blocks[s]), stack, carry, consts)
     if model.transition(s) is not None and not model.joins(s):
       carry = model.transition(s)(carry, consts)
   return model.head(params.head, carry, consts, batch)
@@ -134,7 +137,8 @@ def _check_same_rows(tx: optax.GradientTransformation,
   abstract = lambda t: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), t)
   blocks = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      jnp.shape(x)[1:], jnp.result_type(x)), stack) for stack in params.stacks]
+      stacked_shape(x)[1:], x.dtype), stack, is_leaf=is_interleaved)
+            for stack in params.stacks]
   whole = BlockwiseParams(
       abstract(params.embed),
       tuple((b,) * num_blocks(stack) for b, stack in zip(blocks, params.stacks)),
@@ -158,6 +162,9 @@ def _check_same_rows(tx: optax.GradientTransformation,
 def _backward_stack(tx, block, layout, inputs, consts, ct, ct_consts):
   """The reverse loop over a stack, each block's vjp then update; ``ct_consts``
   sums as ``lax.scan``'s transpose does (bit for bit ``blockwise_loss``)."""
+  if isinstance(inputs, pipeline.SavedInputs):
+    return _backward_interleaved(tx, block, layout, inputs, consts, ct,
+                                 ct_consts)
   # While block i computes, i + 1 is written back and i - 1 fetched (host
   # leaves and saved inputs); a spare (DoubleBuffer) makes the copies
   # independent, else the fetch waits for the write-back. The ends write back
@@ -166,7 +173,7 @@ def _backward_stack(tx, block, layout, inputs, consts, ct, ct_consts):
   spare = [is_double(x) for x in nodes]
   reads = [x.front if s else x for x, s in zip(nodes, spare)]
   leaves = [x.back if s else x for x, s in zip(nodes, spare)]  # written
-  saved = jax.tree.flatten(inputs)
+  saved, saved_def = jax.tree.flatten(inputs)
   last = num_blocks(inputs) - 1
 
   def body(j, loop):
@@ -174,12 +181,13 @@ def _backward_stack(tx, block, layout, inputs, consts, ct, ct_consts):
     i = last - j
     leaves = pipeline.write_back(leaves, pending, jnp.minimum(i + 1, last))
     ahead = pipeline.fetch([x if s else y for x, y, s in zip(
-        reads, leaves, spare)] + saved[0], jnp.maximum(i - 1, 0))
+        reads, leaves, spare)] + saved, jnp.maximum(i - 1, 0))
+    here = pipeline.block_of(leaves + saved, staged, i)
     ct, ct_block, leaves, pending = _step_block(
-        tx, block, leaves, treedef, staged, i, saved, consts, ct)
+        tx, block, leaves, treedef, here, i, saved_def, consts, ct)
     return ct, _add_cotangents(ct_consts, ct_block), leaves, ahead, pending
 
-  staged = pipeline.fetch(reads + saved[0], last)
+  staged = pipeline.fetch(reads + saved, last)
   ct, ct_consts, leaves, _, pending = lax.fori_loop(
       0, last + 1, body, (ct, ct_consts, leaves, staged, staged[:len(reads)]))
   stack, stack_state = treedef.unflatten(
@@ -187,22 +195,91 @@ def _backward_stack(tx, block, layout, inputs, consts, ct, ct_consts):
   return ct, ct_consts, stack, stack_state
 
 
-def _step_block(tx, block, leaves, treedef, staged, k, saved, consts, ct):
-  """Block ``k``'s vjp (its input from ``saved``: leaves and treedef) and
+def _backward_interleaved(tx, block, layout, inputs, consts, ct, ct_consts):
+  """``_backward_stack`` for a stack with ``Interleaved`` leaves: the top
+  blocks (``pipeline.Rows``), then a loop whose iterations run ``PERIOD``
+  blocks each, so that every copy's part is known when the program is built.
+  Block ``i - 1``'s fetch reads another part than block ``i + 1``'s
+  write-back: it waits only for the write-back one block earlier."""
+  leaves, treedef = jax.tree.flatten(layout, is_leaf=is_interleaved)
+  saved = jax.tree.leaves(inputs.parts, is_leaf=is_interleaved)
+  tops = [jax.tree.leaves(t) for t in inputs.top]
+  saved_def = jax.tree.structure(inputs.top[0])
+  # Nothing of the stack is fetched before its cotangent: the saved inputs
+  # pass a barrier with it (else XLA kept some offloaded ones on the device:
+  # FLUX.1-dev, batch 4, 1.9 GB more peak), and the top blocks' rows are
+  # offset by a traced 0 that comes out of it.
+  ct, gate, saved, tops = lax.optimization_barrier(
+      (ct, jnp.zeros((), jnp.int32), saved, tops))
+  gated = lambda at: (at[0], at[1] + gate) if isinstance(at[1], int) else at
+  rows = pipeline.Rows.of(num_blocks(layout[0]))
+  width = len(leaves)
+
+  def saved_at(at):  # the saved leaves holding block at, and its address
+    r, q = at
+    if isinstance(q, int) and q == rows.loops:
+      return tops[r], None
+    return saved, at
+
+  def step(loop, at, first, last):
+    ct, ct_consts, leaves, staged, pending = loop
+    if not first:
+      leaves = pipeline.write_back(leaves, pending, pipeline.up(at))
+    source, source_at = saved_at(at)
+    here = (pipeline.block_of(leaves, staged[:width], at)
+            + pipeline.block_of(source, staged[width:], source_at))
+    ahead = staged
+    if not last:
+      r, q = pipeline.down(at)
+      if not isinstance(q, int):  # block 0 of the loop: reads a block unused
+        q = jnp.maximum(q, 0)
+      source, source_at = saved_at((r, q))
+      ahead = (pipeline.fetch(leaves, gated((r, q)))
+               + pipeline.fetch(source, source_at))
+    ct, ct_block, leaves, pending = _step_block(
+        tx, block, leaves, treedef, here, at, saved_def, consts, ct)
+    # One block at a time, as across a loop's iterations: else XLA would
+    # start the next blocks' recomputed forwards early, their activations
+    # alive at once (FLUX.1-dev, batch 4: +11 GB).
+    return lax.optimization_barrier(
+        (ct, _add_cotangents(ct_consts, ct_block), leaves, ahead, pending))
+
+  top = (rows.top - 1, rows.loops)
+  source, source_at = saved_at(top)
+  staged = (pipeline.fetch(leaves, gated(top))
+            + pipeline.fetch(source, source_at))
+  loop = (ct, ct_consts, leaves, staged, None)
+  for r in reversed(range(rows.top)):
+    loop = step(loop, (r, rows.loops), r == rows.top - 1,
+                rows.loops == 0 and r == 0)
+
+  def body(j, loop):
+    for r in reversed(range(pipeline.PERIOD)):
+      loop = step(loop, (r, rows.loops - 1 - j), False, False)
+    return loop
+
+  if rows.loops:  # (else a part may have no rows to trace a read of)
+    loop = lax.fori_loop(0, rows.loops, body, loop)
+  ct, ct_consts, leaves, _, pending = loop
+  stack, stack_state = treedef.unflatten(
+      pipeline.write_back(leaves, pending, (0, 0)))
+  return ct, ct_consts, stack, stack_state
+
+
+def _step_block(tx, block, leaves, treedef, here, at, saved_def, consts, ct):
+  """Block ``at``'s vjp (``here``: its leaves, then its saved input) and
   update: the cotangents, the leaves (device ones updated in place), and the
   new host leaves (else None) to write back."""
-  here = pipeline.block_of(leaves + saved[0], staged, k)
   params, state = treedef.unflatten(here[:len(leaves)])
-  carry = saved[1].unflatten(here[len(leaves):])
+  carry = saved_def.unflatten(here[len(leaves):])
   _, vjp = jax.vjp(block, params, carry, consts)
   grads, ct, ct_block = vjp(ct)
   # On the CPU, XLA would fuse the update into the stacks' in-place writes
   # and then copy every stack the loop carries; an island prevents it.
   new = jax.tree.leaves(per_leaf.apart_on_cpu(
       functools.partial(_update, tx, staged=True), grads, state, params))
-  pending = [y if placement.on_host(x) else None for x, y in zip(leaves, new)]
-  leaves = [x if placement.on_host(x)
-            else lax.dynamic_update_index_in_dim(x, y, k, 0)
+  pending = [y if pipeline.on_host(x) else None for x, y in zip(leaves, new)]
+  leaves = [x if pipeline.on_host(x) else pipeline.write(x, y, at)
             for x, y in zip(leaves, new)]
   return ct, ct_block, leaves, pending
 
@@ -287,8 +364,10 @@ def blockwise_step(
                                        params.embed)
   inputs, transitions = [], []
   for s, stack in enumerate(params.stacks):
-    carry, saved = pipeline.forward_stack(model.blocks[s], stack, carry,
-                                          consts, offload_activations)
+    forward = (pipeline.forward_interleaved if pipeline.interleaved_in(
+        (stack, state.stacks[s])) else pipeline.forward_stack)
+    carry, saved = forward(model.blocks[s], stack, carry, consts,
+                           offload_activations)
     inputs.append(saved)
     transition_vjp = None
     if model.transition(s) is not None and not model.joins(s):

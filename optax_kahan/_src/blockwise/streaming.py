@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optax_kahan._src import interleaved
 from optax_kahan._src import placement
 from optax_kahan._src import validation
 from optax_kahan._src.blockwise.model import BlockwiseModel
@@ -132,7 +133,8 @@ def _counts(name: str, value: Any, limits: list[int], what: str,
 
 def stream_blocks(
     model: BlockwiseModel, params: BlockwiseParams, state: BlockwiseState,
-    num_streamed: Sequence[int], *, spare_buffers: bool = True,
+    num_streamed: Sequence[int], *, spare_buffers: Optional[bool] = None,
+    interleave: bool = False,
     residuals_on_device: Optional[Sequence[int]] = None,
 ) -> tuple[BlockwiseModel, BlockwiseParams, BlockwiseState]:
   """Moves the last blocks of each stack, weights and state, to host memory.
@@ -168,7 +170,11 @@ def stream_blocks(
       memory (0: none, but the residuals get their spares).
     spare_buffers: give every stacked host leaf a ``DoubleBuffer``, so the
       copies hide behind the compute, at twice the host memory streamed.
-      False: each fetch waits for its leaf's write-back.
+      False: each fetch waits for its leaf's write-back. Default: True
+      unless ``interleave``.
+    interleave: split every stacked host leaf three ways by block index
+      (``Interleaved``): the copies are independent as with spare buffers,
+      in one host copy; the step's loop runs three blocks per iteration.
     residuals_on_device: per stack, how many of its first blocks (none of
       them streamed) keep their whole state, ``kahan``'s offloaded residuals
       included, on the device: where a block's residuals cross PCIe in more
@@ -181,6 +187,15 @@ def stream_blocks(
     ValueError: for a count per stack that does not fit.
   """
   check_params(model, params)
+  validation.check_bool("stream_blocks", "interleave", interleave)
+  if spare_buffers is None:
+    spare_buffers = not interleave
+  validation.check_bool("stream_blocks", "spare_buffers", spare_buffers)
+  if spare_buffers and interleave:
+    raise ValueError(
+        "stream_blocks: spare_buffers=True and interleave=True are two ways "
+        "to keep a fetch from waiting for a write-back; choose one "
+        "(interleave: one host copy, spare_buffers: two)")
   if not isinstance(state, BlockwiseState):
     raise TypeError(f"stream_blocks: state must be the BlockwiseState "
                     f"blockwise_init made, got {type(state).__name__}")
@@ -218,6 +233,10 @@ def stream_blocks(
         y = _part(x, a, b, where or kind)
         if spare_buffers and placement.in_host_memory(y):
           return DoubleBuffer(y, _spare(y))
+        if interleave and placement.in_host_memory(y):
+          # dealt where x is (the device, usually), then sent
+          return jax.tree.map(lambda p: _part(p, 0, p.shape[0], where),
+                              interleaved.interleave(_part(x, a, b, None)))
         return y
       blocks.append(model.blocks[s])
       stacks.append(jax.tree.map(lambda x: place(x, kind="device"), stack))
@@ -256,8 +275,13 @@ def join_stacks(model: BlockwiseModel, params: BlockwiseParams
       groups[-1].append(s)
     else:
       groups.append([s])
-  stacks = [jax.tree.map(lambda *xs: jnp.concatenate(
-      [placement.on_device(x) for x in xs]), *[params.stacks[s] for s in g])
+  def whole(x):  # a part of a stack, in device memory, blocks in order
+    if interleaved.is_interleaved(x):
+      return interleaved.deinterleave(placement.on_device(x))
+    return placement.on_device(x)
+  stacks = [jax.tree.map(lambda *xs: jnp.concatenate([whole(x) for x in xs]),
+                         *[params.stacks[s] for s in g],
+                         is_leaf=interleaved.is_interleaved)
             for g in groups]
   transitions = (tuple(model.transition(g[-1]) for g in groups[:-1])
                  if model.transitions else ())
