@@ -242,33 +242,6 @@ def test_host_compute_spike_reads_the_host_call(tmp_path):
   assert rows["an array in host memory"]["device_operands"] == 0
 
 
-@pytest.mark.slow
-def test_interleaved_host_arrays_keep_one_copy_and_beat_one_buffer():
-  # benchmarks.streaming --interleave at 2 + 4 FLUX.1-dev blocks, compiled
-  # for the H200: stream_blocks(..., interleave=True) against one buffer per
-  # leaf, every block streamed, activations in host memory
-  _need_plugin()
-  out = subprocess.run([sys.executable, "-m", "benchmarks.streaming",
-                        "--interleave", "--quick"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=1200)
-  assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-  with open(os.path.join(ROOT, "benchmarks", "results",
-                         "streaming_interleave_quick.json")) as f:
-    rows = json.load(f)["rows"]
-  one, dealt = (rows[f"`(2, 4)` streamed, {how}, activations in host "
-                     "memory, batch 2"] for how in (
-                         "one buffer per leaf",
-                         "interleaved (three host arrays per leaf)"))
-  # the same weights and state in host memory, once; the same gemms; no
-  # weight or state array copied whole in host memory (XLA copies a few
-  # per-block scalars: the late sums' f32[1, 2] parts, 24 bytes in all)
-  assert dealt["host_bytes"] == one["host_bytes"] > 0
-  assert dealt["gemm_flops"] == one["gemm_flops"]
-  assert one["host_copy_bytes"] == 0 and dealt["host_copy_bytes"] <= 1000
-  # the fetches no longer wait for the write-backs
-  assert dealt["step_s"] < one["step_s"]
-
-
 def test_card_search_picks_the_fastest_sample_that_fits(monkeypatch):
   # A stand-in for the compiled step of 8 + 8 blocks (GB, s): peak
   # 30 - k + 4 * batch (+ 2 with residuals on the device) with k blocks
