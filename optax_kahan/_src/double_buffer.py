@@ -62,7 +62,7 @@ def front_buffers(tree: Any) -> Any:
                       is_leaf=is_double)
 
 
-def check_not_doubled(tree: Any, what: str, arg: str,
+def check_plain_leaves(tree: Any, what: str, arg: str,
                       instead: str = "") -> None:
   """Refuses a ``DoubleBuffer`` or ``Interleaved`` leaf in ``tree``: ``what``
   takes plain arrays."""

@@ -33,7 +33,7 @@ from optax_kahan._src import per_leaf
 from optax_kahan._src import traced
 from optax_kahan._src import validation
 from optax_kahan._src.bits import Rounding
-from optax_kahan._src.double_buffer import check_not_doubled
+from optax_kahan._src.double_buffer import check_plain_leaves
 from optax_kahan._src.leaves import is_none
 from optax_kahan._src.leaves import landing_delta
 from optax_kahan._src.leaves import leaves_like
@@ -177,8 +177,8 @@ def kahan_apply_updates(
     Array(1.0100017, dtype=float32)
   """
   bits.check_rounding(rounding)
-  check_not_doubled(params, "kahan_apply_updates", "params")
-  check_not_doubled(residuals, "kahan_apply_updates", "residuals")
+  check_plain_leaves(params, "kahan_apply_updates", "params")
+  check_plain_leaves(residuals, "kahan_apply_updates", "residuals")
   lows = _check_residuals(params, residuals)
   treedef = jax.tree.structure(params, is_leaf=is_none)
 
@@ -251,8 +251,8 @@ def kahan_to_float32(
     A tree like ``params`` of float32 (and the wide leaves' dtypes) arrays.
   """
   bits.check_rounding(rounding)
-  check_not_doubled(params, "kahan_to_float32", "params")
-  check_not_doubled(residuals, "kahan_to_float32", "residuals")
+  check_plain_leaves(params, "kahan_to_float32", "params")
+  check_plain_leaves(residuals, "kahan_to_float32", "residuals")
   _check_residuals(params, residuals, allow_masked=True)
 
   def merge_leaf(path, p, lo):

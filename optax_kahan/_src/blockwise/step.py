@@ -33,7 +33,7 @@ from optax_kahan._src.blockwise.model import num_blocks
 from optax_kahan._src.blockwise.model import stacked_shape
 from optax_kahan._src.blockwise import pipeline
 from optax_kahan._src.blockwise.streaming import flip
-from optax_kahan._src.double_buffer import check_not_doubled
+from optax_kahan._src.double_buffer import check_plain_leaves
 from optax_kahan._src.double_buffer import front_buffers
 from optax_kahan._src.double_buffer import is_double
 from optax_kahan._src.interleaved import is_interleaved
@@ -62,7 +62,7 @@ def blockwise_init(tx: optax.GradientTransformation, params: BlockwiseParams,
   """
   validation.check_transformation("blockwise_init", "tx", tx)
   check_stacks(params)
-  check_not_doubled((params, args), "blockwise_init", "(params, *args)",
+  check_plain_leaves((params, args), "blockwise_init", "(params, *args)",
                     "initialize before stream_blocks")
   for i, tree in enumerate(args):
     if not isinstance(tree, BlockwiseParams):

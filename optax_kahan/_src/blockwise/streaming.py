@@ -21,7 +21,7 @@ from optax_kahan._src.blockwise.model import check_params
 from optax_kahan._src.blockwise.model import continue_stack
 from optax_kahan._src.blockwise.model import num_blocks
 from optax_kahan._src.double_buffer import DoubleBuffer
-from optax_kahan._src.double_buffer import check_not_doubled
+from optax_kahan._src.double_buffer import check_plain_leaves
 from optax_kahan._src.double_buffer import front_buffers
 from optax_kahan._src.double_buffer import is_double as _is_double
 
@@ -199,7 +199,7 @@ def stream_blocks(
   if not isinstance(state, BlockwiseState):
     raise TypeError(f"stream_blocks: state must be the BlockwiseState "
                     f"blockwise_init made, got {type(state).__name__}")
-  check_not_doubled((params, state), "stream_blocks", "(params, state)",
+  check_plain_leaves((params, state), "stream_blocks", "(params, state)",
                     "join the stacks first (join_stacks)")
   counts = [num_blocks(stack) for stack in params.stacks]
   num_streamed = _counts(
