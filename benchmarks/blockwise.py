@@ -62,7 +62,7 @@ import optax
 from flax import nnx
 
 import optax_kahan as ok
-from benchmarks import flux_model
+from optax_kahan import flux
 from benchmarks import gpu_compile
 from benchmarks import report
 from optax_kahan import blockwise as bw
@@ -95,7 +95,7 @@ def optimizers() -> dict[str, tuple[Callable[[bool], Any], bool]]:
 
 def _bf16_forward(model: bw.BlockwiseModel) -> bw.BlockwiseModel:
   """The model on float32 master weights: each part casts them to bf16."""
-  cast = lambda fn: (lambda p, *a: fn(flux_model.to_dtype(p, jnp.bfloat16),
+  cast = lambda fn: (lambda p, *a: fn(flux.to_dtype(p, jnp.bfloat16),
                                       *a))
   return model._replace(embed=cast(model.embed),
                         blocks=tuple(cast(b) for b in model.blocks),
@@ -224,13 +224,13 @@ def compile_row(name: str, step: str, cfg, target: str,
   blockwise = step == "blockwise"
   tx = make(blockwise)
   dtype = jnp.float32 if master else jnp.bfloat16
-  model = bw.BlockwiseModel(*flux_model.flux_blockwise(nnx.eval_shape(
-      lambda: flux_model.Flux(cfg, rngs=nnx.Rngs(0))))[0])
+  model = bw.BlockwiseModel(*flux.flux_blockwise(nnx.eval_shape(
+      lambda: flux.Flux(cfg, rngs=nnx.Rngs(0))))[0])
   if master:
     model = _bf16_forward(model)
-  abstract = flux_model.abstract_params(cfg, dtype)
-  n = flux_model.num_params(abstract)
-  block = max(flux_model.num_params(s) // bw.num_blocks(s)
+  abstract = flux.abstract_params(cfg, dtype)
+  n = flux.num_params(abstract)
+  block = max(flux.num_params(s) // bw.num_blocks(s)
               for s in abstract.stacks)
   stack_shapes = {_dims(x.shape) for x in jax.tree.leaves(abstract.stacks)}
   block_shapes = {_dims(x.shape[1:]) for x in jax.tree.leaves(abstract.stacks)}
@@ -246,7 +246,7 @@ def compile_row(name: str, step: str, cfg, target: str,
                              memory_kind="pinned_host")
     sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
     params = jax.tree.map(sds, abstract)
-    batch = jax.tree.map(sds, flux_model.batch_spec(cfg, 1, *tokens))
+    batch = jax.tree.map(sds, flux.batch_spec(cfg, 1, *tokens))
     state = _state(tx, params, blockwise, device, host)
     shutil.rmtree(DUMP, ignore_errors=True)
     t0 = time.perf_counter()
@@ -358,7 +358,7 @@ def main(argv=None) -> dict:
                       help="exit 1 if a blockwise row breaks a promise")
   args = parser.parse_args(argv)
   _dump_flags()
-  cfg = flux_model.FluxConfig.dev()
+  cfg = flux.FluxConfig.dev()
   if args.quick:
     cfg = dataclasses.replace(cfg, hidden=256, heads=2, double_blocks=4,
                               single_blocks=4, context_dim=256, vec_dim=64)

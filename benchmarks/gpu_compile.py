@@ -95,7 +95,7 @@ import optax
 import optax_kahan as ok
 from optax_kahan import blockwise
 from optax_kahan._src import gpu_targets
-from benchmarks import flux_model
+from optax_kahan import flux as flux_model
 from benchmarks import model_shapes
 from benchmarks import report
 from benchmarks import timeline

@@ -1,21 +1,22 @@
-"""``ok.blockwise.plan`` for FLUX.1-dev on a card, without a GPU: which
-streamed layout, at which batch, fits the card and the host RAM fastest.
+"""``python -m optax_kahan.plan`` for FLUX.1-dev, saved with its reference:
+which streamed layout, at which batch, fits the card and the host RAM
+fastest, without a GPU.
 
     pip install -e ".[gpu-aot]"      # jax's CUDA plugin: XLA's GPU compiler
     python -m benchmarks.plan --card 16 --host-ram 64 [--batch 1 --batch 2]
 
-Nothing runs. ``plan`` compiles ``blockwise_step`` of
-``kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))`` on
-``benchmarks.flux_model`` at FLUX.1-dev's real dimensions (11.9B params,
+Nothing runs. ``optax_kahan.plan.model_plans`` compiles ``blockwise_step``
+of ``kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))`` on
+``optax_kahan.flux`` at FLUX.1-dev's real dimensions (11.9B params,
 1024x1024: 4096 + 512 tokens, block remat), deviceless for the target, for
-the candidate layouts its search needs, and returns the fastest per sample
-(``timeline``'s model of the compiled schedule: an estimate) whose peak
-leaves ``plan``'s context and margin (0.5 GB each) on a card of ``--card``
-GiB and whose host memory is at most ``--host-ram`` GB. Printed: every
-candidate compiled with its verdict, the number of compiles and the wall
-time, and the chosen layout's ratio per sample to the step with the
-residuals on the device (``kahan(..., offload=False)``, nothing streamed)
-at batch 1, the reference of ``benchmarks.streaming --cards``.
+the candidate layouts ``ok.blockwise.plan``'s search needs, and returns the
+fastest per sample (``timeline``'s model of the compiled schedule: an
+estimate) whose peak leaves ``plan``'s context and margin (0.5 GB each) on a
+card of ``--card`` GiB and whose host memory is at most ``--host-ram`` GB.
+Saved beside what the command prints: the chosen layout's ratio per sample
+to the step with the residuals on the device (``kahan(..., offload=False)``,
+nothing streamed) at batch 1, the reference of ``benchmarks.streaming
+--cards``.
 
 ``--quick``: 2 + 4 blocks of width 256 (for a smoke run). Writes
 ``benchmarks/results/plan_<card>gib_<ram>gb{,_quick}.{md,json}``.
@@ -35,11 +36,9 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
-import optax_kahan as ok
-from benchmarks import flux_model
+from optax_kahan import plan as ok_plan
+from optax_kahan import flux
 from benchmarks import gpu_compile
 from benchmarks import report
 from benchmarks import streaming
@@ -57,25 +56,21 @@ def main(argv=None) -> dict:
   parser.add_argument("--quick", action="store_true",
                       help="2 + 4 blocks of width 256")
   args = parser.parse_args(argv)
-  cfg = flux_model.FluxConfig.dev()
+  cfg = ok_plan.MODELS["flux-dev"]
   if args.quick:
     cfg = dataclasses.replace(cfg, hidden=256, heads=2, double_blocks=2,
                               single_blocks=4, context_dim=256, vec_dim=64)
-  cfg = dataclasses.replace(cfg, heads_per_chunk=2)
-  model = ok.blockwise.BlockwiseModel(*flux_model.flux_blockwise(
-      nnx.eval_shape(lambda: flux_model.Flux(cfg, rngs=nnx.Rngs(0))))[0])
-  params = flux_model.abstract_params(cfg, jnp.bfloat16)
   batches = tuple(args.batch or (1, 2, 4))
+  ram_gb = args.host_ram if math.isfinite(args.host_ram) else None
   t0 = time.perf_counter()
-  p = ok.blockwise.plan(
-      model, params, streaming.make_tx(), flux_model.batch_spec(cfg, 1),
-      device_memory=args.card * 2**30,
-      host_memory=args.host_ram * 1e9 if math.isfinite(args.host_ram)
-      else None, batches=batches, target=args.target)
+  p = ok_plan.model_plans(cfg, [args.card], [ram_gb], batches=batches,
+                          target=args.target)[args.card, ram_gb]
+  if isinstance(p, str):
+    raise SystemExit(p)
   wall = time.perf_counter() - t0
   ref = streaming.compile_row(cfg, args.target, 1, False, None)
   ratio = p.per_sample_s / ref["step_s"]
-  n = flux_model.num_params(params)
+  n = flux.num_params(flux.abstract_params(cfg))
   ram = (f"{args.host_ram:g} GB of host memory" if math.isfinite(
       args.host_ram) else "this machine's RAM")
   lines = [
@@ -83,7 +78,7 @@ def main(argv=None) -> dict:
       f"for {args.target} without a GPU, not run ({datetime.date.today()}, "
       f"jax {jax.__version__}): FLUX-shaped MMDiT, {cfg.double_blocks} + "
       f"{cfg.single_blocks} blocks of width {cfg.hidden} ({n / 1e9:.2f}B "
-      f"params), 4096 + 512 tokens, block remat, `{streaming.OPTIMIZER}`, "
+      f"params), 4096 + 512 tokens, block remat, `{ok_plan.OPTIMIZER}`, "
       f"batches {list(batches)}. Device budget {p.device_budget / 1e9:.2f} GB "
       "(the card less 0.5 GB of CUDA context and a 0.5 GB margin), host "
       f"budget {p.host_budget / 1e9:.1f} GB. Modeled: the timeline model of "

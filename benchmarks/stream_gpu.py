@@ -49,19 +49,19 @@ def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2,
   from flax import nnx
 
   import optax_kahan as ok
-  from benchmarks import flux_model
+  from optax_kahan import flux
   from benchmarks import timeline
 
-  cfg = flux_model.FluxConfig.dev()
+  cfg = flux.FluxConfig.dev()
   cfg = dataclasses.replace(cfg, double_blocks=4, single_blocks=8,
                             heads_per_chunk=2)
   tokens = (4096, 512)
   if tiny:
-    cfg = flux_model.FluxConfig.tiny()
+    cfg = flux.FluxConfig.tiny()
     tokens = (64, 16)
-  model = ok.blockwise.BlockwiseModel(*flux_model.flux_blockwise(nnx.eval_shape(
-      lambda: flux_model.Flux(cfg, rngs=nnx.Rngs(0))))[0])
-  abstract = flux_model.abstract_params(cfg, jnp.bfloat16)
+  model = ok.blockwise.BlockwiseModel(*flux.flux_blockwise(nnx.eval_shape(
+      lambda: flux.Flux(cfg, rngs=nnx.Rngs(0))))[0])
+  abstract = flux.abstract_params(cfg, jnp.bfloat16)
   leaves, treedef = jax.tree.flatten(abstract)
   keys = jax.random.split(jax.random.key(0), len(leaves))
   device = jax.devices()[0]
@@ -80,7 +80,7 @@ def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2,
         if setup.startswith("all blocks streamed") else (0, 0),
         residuals_on_device=(cfg.double_blocks // 2, 0)
         if setup.endswith("double blocks'") else None)
-  spec = flux_model.batch_spec(cfg, batch_size, *tokens)
+  spec = flux.batch_spec(cfg, batch_size, *tokens)
   batch = {k: jax.device_put(jnp.ones(v.shape, v.dtype) * 0.1, device)
            for k, v in spec.items()}
   activations = setup.endswith("activations on host")

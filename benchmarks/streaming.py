@@ -72,8 +72,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import optax_kahan as ok
+from optax_kahan import flux
+from optax_kahan import plan as ok_plan
 from benchmarks import blockwise as blockwise_bench
-from benchmarks import flux_model
 from benchmarks import gpu_compile
 from benchmarks import report
 from benchmarks import timeline
@@ -81,13 +82,8 @@ from benchmarks import timeline
 CONTEXT = 0.5e9  # CUDA context and cuDNN/cuBLAS workspaces, about
 MARGIN = 0.5e9  # left free on a card beside the peak and the context
 CARDS = (12, 16, 24, 32, 48, 80)  # GiB
-OPTIMIZER = "kahan(prodigy_factored(lagged_d=True, state_dtype=bf16))"
-
-
-def make_tx(offload: bool = True):
-  return ok.kahan(ok.prodigy_factored(lagged_d=True,
-                                      state_dtype=jnp.bfloat16),
-                  offload=offload)
+OPTIMIZER = ok_plan.OPTIMIZER
+make_tx = ok_plan.default_tx
 
 
 def compile_row(cfg, target: str, batch: int, offload: bool,
@@ -104,9 +100,9 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   host = jax.NamedSharding(mesh.abstract_mesh, jax.P(),
                            memory_kind="pinned_host")
   sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
-  model = ok.blockwise.BlockwiseModel(*flux_model.flux_blockwise(nnx.eval_shape(
-      lambda: flux_model.Flux(cfg, rngs=nnx.Rngs(0))))[0])
-  params = jax.tree.map(sds, flux_model.abstract_params(cfg, jnp.bfloat16))
+  model = ok.blockwise.BlockwiseModel(*flux.flux_blockwise(nnx.eval_shape(
+      lambda: flux.Flux(cfg, rngs=nnx.Rngs(0))))[0])
+  params = jax.tree.map(sds, flux.abstract_params(cfg, jnp.bfloat16))
   tx = make_tx(offload)
   state = blockwise_bench._state(tx, params, True, device,
                                  host if offload else device)
@@ -114,7 +110,7 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
     model, params, state = ok.blockwise.stream_blocks(
         model, params, state, streamed, spare_buffers=spare,
         interleave=interleave, residuals_on_device=kept)
-  b = jax.tree.map(sds, flux_model.batch_spec(cfg, batch, 4096, 512))
+  b = jax.tree.map(sds, flux.batch_spec(cfg, batch, 4096, 512))
   t0 = time.perf_counter()
   compiled = gpu_compile.compile_step(
       lambda p, s, x: ok.blockwise.blockwise_step(
@@ -481,7 +477,7 @@ def main(argv=None) -> dict:
                       "blocks not streamed keep their residuals on the "
                       "device")
   args = parser.parse_args(argv)
-  cfg = flux_model.FluxConfig.dev()
+  cfg = flux.FluxConfig.dev()
   if args.quick:  # compiles in seconds: for CI
     cfg = dataclasses.replace(cfg, hidden=256, heads=2, double_blocks=2,
                               single_blocks=4, context_dim=256, vec_dim=64)
@@ -510,7 +506,7 @@ def main(argv=None) -> dict:
                                   "ratio": row["step_s"] / ref["step_s"]}}
   else:
     rows = rows_for(cfg, args.target, args.quick, not args.one_buffer)
-  n = flux_model.num_params(flux_model.abstract_params(cfg))
+  n = flux.num_params(flux.abstract_params(cfg))
   r = {"target": args.target,
        "target_name": gpu_compile.gpu_mesh(args.target).devices.flat[0]
        .device_kind,

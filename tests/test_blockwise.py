@@ -215,10 +215,10 @@ def test_nnx_flux_trains_blockwise():
   # (kahan(prodigy_factored(lagged_d=True, state_dtype=bf16)) on the real
   # shapes is compiled by benchmarks/blockwise.py.)
   from flax import nnx
-  from benchmarks import flux_model
-  cfg = flux_model.FluxConfig.tiny()
-  module = flux_model.Flux(cfg, rngs=nnx.Rngs(0))
-  batch = flux_model.random_batch(jax.random.key(1), cfg, 2, 16, 8,
+  from optax_kahan import flux
+  cfg = flux.FluxConfig.tiny()
+  module = flux.Flux(cfg, rngs=nnx.Rngs(0))
+  batch = flux.random_batch(jax.random.key(1), cfg, 2, 16, 8,
                                   jnp.float32)
   model, params = ok.blockwise.nnx_blockwise(
       module.embed, (module.double_blocks, module.single_blocks), module.head)

@@ -19,7 +19,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "optax_kahan" / "_src"
 # leaves; the per-leaf contract; the traced cut; the transformations; kahan
 # and the named optimizers; the blockwise model, its pipelined copies, its
 # streamed layout and late sums, its residual accessors, its step; the Flax
-# adapters, the train state and the NNX optimizer; the known-answer check.
+# adapters, the train state and the NNX optimizer; the known-answer check
+# and the FLUX model; the planning command.
 LAYERS = [
     {"bits", "validation", "interleaved", "gpu_targets", "timeline"},
     {"placement", "leaves", "double_buffer"},
@@ -35,7 +36,8 @@ LAYERS = [
     {"blockwise.step"},
     {"blockwise.flax_adapters", "blockwise.plan", "train_state",
      "nnx_optimizer"},
-    {"known_answer"},
+    {"known_answer", "flux"},
+    {"plan_command"},
 ]
 LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 

@@ -1,4 +1,4 @@
-"""The FLUX.1-dev model of the benchmarks: sizes, and its blockwise split."""
+"""optax_kahan.flux: FLUX.1-dev's sizes, and its blockwise split."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from benchmarks import flux_model as fm
+from optax_kahan._src import flux as fm
 
 TINY = fm.FluxConfig.tiny()
 SHAPES = dict(batch=2, image_tokens=12, text_tokens=5)  # a 3x4 token grid

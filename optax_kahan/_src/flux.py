@@ -60,9 +60,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from optax_kahan.blockwise import BlockwiseModel
-from optax_kahan.blockwise import BlockwiseParams
-from optax_kahan.blockwise import nnx_blockwise
+from optax_kahan._src.blockwise.flax_adapters import nnx_blockwise
+from optax_kahan._src.blockwise.model import BlockwiseModel
+from optax_kahan._src.blockwise.model import BlockwiseParams
 
 Batch = Mapping[str, jax.Array]
 Params = Any  # a pytree of arrays: an ``nnx.State`` here
@@ -659,7 +659,8 @@ def to_dtype(params: Params, dtype: jnp.dtype) -> Params:
 
 def abstract_params(cfg: FluxConfig,
                     dtype: jnp.dtype = jnp.bfloat16) -> Params:
-  """The params triple of ``flux_blockwise`` as ``jax.ShapeDtypeStruct``s.
+  """The params triple of ``flux_blockwise``, its leaves
+  ``jax.ShapeDtypeStruct``.
 
   The model is built under ``jax.eval_shape``: nothing is allocated.
   """
