@@ -14,6 +14,7 @@ from optax_kahan.blockwise import Plan
 from optax_kahan._src import plan_command
 from optax_kahan._src.blockwise.plan import Figures
 from tests.test_gpu_compile import ROOT
+from tests.test_gpu_compile import _need_plugin
 
 
 def test_image_tokens_are_the_latent_patches():
@@ -29,9 +30,13 @@ def test_flux_dev_is_the_published_model_with_chunked_attention():
   assert cfg.heads_per_chunk == 2
 
 
+# The two below compile nothing but need the deviceless target (jax's CUDA
+# plugin, the gpu-aot extra): slow, where CI installs it.
+@pytest.mark.slow
 def test_a_budget_nothing_fits_is_a_row_with_plans_reason(capsys):
   # No host memory: every layout's host arguments (kahan's residuals) are
   # over it before anything is compiled.
+  _need_plugin()
   plans = ok_plan.main(["--model", "flux-tiny", "--card", "4", "--card", "8",
                         "--host-ram", "0", "--batch", "1"])
   assert list(plans) == [(4.0, 0.0), (8.0, 0.0)]
@@ -57,7 +62,9 @@ def test_summary_gives_each_budgets_choice():
   assert rows[1].startswith("| 16 | no cap | ")
 
 
+@pytest.mark.slow
 def test_the_command_runs_as_a_module():
+  _need_plugin()
   out = subprocess.run(
       [sys.executable, "-m", "optax_kahan.plan", "--model", "flux-tiny",
        "--host-ram", "0", "--batch", "1"], cwd=ROOT, capture_output=True,

@@ -173,6 +173,12 @@ def main(argv: Optional[Sequence[str]] = None
   target = None if args.target == "this-gpu" else args.target
   if target is not None:  # a deviceless compile: no GPU is touched
     jax.config.update("jax_platforms", "cpu")
+    try:
+      gpu_targets.gpu_mesh(target)
+    except RuntimeError as e:
+      parser.exit(2, f"{parser.prog}: {e}; in the clone: pip install -e "
+                  "\".[gpu-aot]\" (3.7 GB), or --target this-gpu on a "
+                  "machine with a GPU\n")
   config = MODELS[args.model]
   t0 = time.perf_counter()
   plans = model_plans(
