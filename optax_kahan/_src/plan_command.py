@@ -147,7 +147,10 @@ def summary(plans: dict[tuple[float, Optional[float]], Union[Plan, str]]
 def main(argv: Optional[Sequence[str]] = None
          ) -> dict[tuple[float, Optional[float]], Plan]:
   """The command: parses ``argv``, plans, prints; returns the plans by
-  ``(card GiB, host RAM GB or None)``."""
+  ``(card GiB, host RAM GB or None)``. With an H100 or H200 target it sets
+  jax's platforms to the CPU first (the compile is deviceless: no GPU is
+  touched), so call it before anything starts jax's backends, as
+  ``python -m optax_kahan.plan`` does."""
   parser = argparse.ArgumentParser(
       prog="python -m optax_kahan.plan",
       description="The fastest streamed layout per sample that fits a card "
