@@ -48,7 +48,8 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--card", type=float, default=16, metavar="GIB")
   parser.add_argument("--host-ram", type=float, default=math.inf,
-                      metavar="GB", help="the most host memory (1e9 bytes)")
+                      metavar="GB",
+                      help="the most host memory (1e9 bytes; default: no cap)")
   parser.add_argument("--batch", type=int, action="append",
                       help="a batch size to try (repeat; default 1, 2, 4)")
   parser.add_argument("--target", default="h200",
@@ -72,7 +73,7 @@ def main(argv=None) -> dict:
   ratio = p.per_sample_s / ref["step_s"]
   n = flux.num_params(flux.abstract_params(cfg))
   ram = (f"{args.host_ram:g} GB of host memory" if math.isfinite(
-      args.host_ram) else "this machine's RAM")
+      args.host_ram) else "no cap on host memory")
   lines = [
       f"`ok.blockwise.plan` for a {args.card:g} GiB card and {ram}, compiled "
       f"for {args.target} without a GPU, not run ({datetime.date.today()}, "
@@ -105,7 +106,7 @@ def main(argv=None) -> dict:
        "candidates": [{**dataclasses.asdict(c.layout),
                        **dataclasses.asdict(c.figures), "verdict": c.verdict}
                       for c in p.candidates]}
-  ram_tag = f"{args.host_ram:g}gb" if math.isfinite(args.host_ram) else "ram"
+  ram_tag = f"{args.host_ram:g}gb" if math.isfinite(args.host_ram) else "nocap"
   report.save(f"plan_{args.card:g}gib_{ram_tag}", "\n".join(lines) + "\n", r,
               args.quick)
   return r
