@@ -59,7 +59,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 import optax_kahan as ok
 from optax_kahan import flux
@@ -224,8 +223,7 @@ def compile_row(name: str, step: str, cfg, target: str,
   blockwise = step == "blockwise"
   tx = make(blockwise)
   dtype = jnp.float32 if master else jnp.bfloat16
-  model = bw.BlockwiseModel(*flux.flux_blockwise(nnx.eval_shape(
-      lambda: flux.Flux(cfg, rngs=nnx.Rngs(0))))[0])
+  model = flux.abstract_model(cfg)
   if master:
     model = _bf16_forward(model)
   abstract = flux.abstract_params(cfg, dtype)

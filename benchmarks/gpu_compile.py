@@ -87,7 +87,6 @@ import time
 import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import optax
@@ -435,8 +434,7 @@ def flux_unrolled_model(blocks: int, image_tokens: int,
   ``ok.blockwise.blockwise_loss`` with each stack's ``lax.scan`` unrolled
   (which that function, taking stacks, cannot express)."""
   cfg = flux_model.FluxConfig(double_blocks=blocks, single_blocks=blocks)
-  model = blockwise.BlockwiseModel(*flux_model.flux_blockwise(nnx.eval_shape(
-      lambda: flux_model.Flux(cfg, rngs=nnx.Rngs(0))))[0])
+  model = flux_model.abstract_model(cfg)
   stacked = flux_model.abstract_params(cfg, jnp.bfloat16)
   one_block = lambda stack: jax.tree.map(  # a stack's block, by its shapes
       lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stack)

@@ -15,8 +15,9 @@ estimate) whose peak leaves ``plan``'s context and margin (0.5 GB each) on a
 card of ``--card`` GiB and whose host memory is at most ``--host-ram`` GB.
 Saved beside what the command prints: the chosen layout's ratio per sample
 to the step with the residuals on the device (``kahan(..., offload=False)``,
-nothing streamed) at batch 1, the reference of ``benchmarks.streaming
---cards``.
+nothing streamed) at batch 1, the reference of the README's ratios.
+``python -m benchmarks.streaming --cards`` saves the command's output for
+several cards and budgets at once.
 
 ``--quick``: 2 + 4 blocks of width 256 (for a smoke run). Writes
 ``benchmarks/results/plan_<card>gib_<ram>gb{,_quick}.{md,json}``.

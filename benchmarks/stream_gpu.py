@@ -46,7 +46,6 @@ def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2,
               batch_size: int = 1) -> dict:
   import jax
   import jax.numpy as jnp
-  from flax import nnx
 
   import optax_kahan as ok
   from optax_kahan import flux
@@ -59,8 +58,7 @@ def run_setup(setup: str, tiny: bool, steps: int, warmup: int = 2,
   if tiny:
     cfg = flux.FluxConfig.tiny()
     tokens = (64, 16)
-  model = ok.blockwise.BlockwiseModel(*flux.flux_blockwise(nnx.eval_shape(
-      lambda: flux.Flux(cfg, rngs=nnx.Rngs(0))))[0])
+  model = flux.abstract_model(cfg)
   abstract = flux.abstract_params(cfg, jnp.bfloat16)
   leaves, treedef = jax.tree.flatten(abstract)
   keys = jax.random.split(jax.random.key(0), len(leaves))

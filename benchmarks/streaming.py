@@ -41,11 +41,11 @@ the options (for CI).
 ``--fit 32``), to ``results/streaming_fit<GB>``. ``--one-buffer``: the
 streamed rows with ``stream_blocks(..., spare_buffers=False)``.
 ``--device-residuals``: with ``--fit``, ``kahan(..., offload=False)``: the
-blocks not streamed keep their residuals on the device. ``--cards``: for
-each card (12 to 80 GiB), the setup and batch (1, 2, 4) with the lowest
-modeled time per sample that leaves 0.5 GB beside the peak and the CUDA
-context, with the step's floor (its matrix multiplies, or its PCIe bytes in
-either direction, whichever is longer), to ``results/streaming_cards``.
+blocks not streamed keep their residuals on the device. ``--cards``: runs
+``python -m optax_kahan.plan`` (``ok.blockwise.plan``'s search) for
+FLUX.1-dev at each ``--card`` (default 8 to 80 GiB) and ``--max-host``
+(default 64 GB and no cap), batches 1 and 4 (or ``--batch``), and saves its
+output to ``results/streaming_cards``.
 ``--residuals-on-device``: the residuals in host memory but the first 0, 5 or
 10 double-stream blocks' (``stream_blocks(..., residuals_on_device=)``), at
 batch 1 and 2, to ``results/streaming_residuals_on_device``. Every row also
@@ -64,12 +64,13 @@ import argparse
 import dataclasses
 import datetime
 import math
+import subprocess
+import sys
 import time
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 import optax_kahan as ok
 from optax_kahan import flux
@@ -81,7 +82,7 @@ from benchmarks import timeline
 
 CONTEXT = 0.5e9  # CUDA context and cuDNN/cuBLAS workspaces, about
 MARGIN = 0.5e9  # left free on a card beside the peak and the context
-CARDS = (12, 16, 24, 32, 48, 80)  # GiB
+CARDS = (8, 12, 16, 24, 32, 48, 80)  # GiB, --cards' default
 OPTIMIZER = ok_plan.OPTIMIZER
 make_tx = ok_plan.default_tx
 
@@ -100,8 +101,7 @@ def compile_row(cfg, target: str, batch: int, offload: bool,
   host = jax.NamedSharding(mesh.abstract_mesh, jax.P(),
                            memory_kind="pinned_host")
   sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
-  model = ok.blockwise.BlockwiseModel(*flux.flux_blockwise(nnx.eval_shape(
-      lambda: flux.Flux(cfg, rngs=nnx.Rngs(0))))[0])
+  model = flux.abstract_model(cfg)
   params = jax.tree.map(sds, flux.abstract_params(cfg, jnp.bfloat16))
   tx = make_tx(offload)
   state = blockwise_bench._state(tx, params, True, device,
@@ -188,113 +188,42 @@ def fewest_streamed(cfg, target: str, limit: float, spare: bool = True,
   return (*streamed(lo), row(lo))
 
 
-def card_rows(cfg, target: str, batches=(1, 2, 4), cards=CARDS,
-              activation_batches=(4,), spare: bool = True,
-              max_host: float = math.inf) -> dict[str, dict]:
-  """For each card (GiB), the setup and batch with the lowest modeled time
-  per sample whose peak leaves ``MARGIN`` after the CUDA context and whose
-  host memory is at most ``max_host`` bytes: residuals on the device,
-  residuals alone in host memory, or the fewest streamed blocks that fit,
-  at each batch; at ``activation_batches`` also each of these with the
-  blocks' saved inputs in host memory. ``spare``: spare buffers (else one
-  buffer per host leaf)."""
-  layout = "spare buffers" if spare else "one buffer per leaf"
-  ok_for = lambda r, gib: fits(r, gib) and host_bytes(r) <= max_host
-  candidates = []
-  for batch, act in [(b, False) for b in batches] + [
-      (b, True) for b in activation_batches if b in batches]:
-    also = (", activations in host memory" if act else "") + (
-        "" if spare else f", {layout}")
-    candidates += [
-        (f"residuals on the device (`offload=False`){also}",
-         compile_row(cfg, target, batch, False, None, activations=act)),
-        (f"residuals in host memory, {layout} (`(0, 0)`){also}",
-         compile_row(cfg, target, batch, True, (0, 0), spare,
-                     activations=act))]
-    plain, found, lo = candidates[-2:], {0: candidates[-1][1]}, 0
-    for gib in sorted(cards, reverse=True):  # fewer blocks for larger cards
-      if any(ok_for(r, gib) for _, r in plain):
-        continue
-      d, s, row = fewest_streamed(cfg, target, usable_bytes(gib), spare,
-                                  batch=batch, lo=lo, found=found,
-                                  activations=act)
-      lo = d + s
-      candidates.append((f"`({d}, {s})` blocks streamed{also}", row))
-  best = {}
-  for gib in cards:
-    fitting = [(r["step_s"] / r["batch"], name, r) for name, r in candidates
-               if ok_for(r, gib)]
-    if fitting:
-      _, name, r = min(fitting, key=lambda x: x[0])
-      best[f"{gib} GiB"] = {**r, "setup": name, "card_gib": gib}
-  on_device = {r["batch"]: r for _, r in candidates
-               if not r["offload"] and not r.get("activations")}
-  if 1 not in on_device:  # the reference of every row's ratio
-    on_device[1] = compile_row(cfg, target, 1, False, None)
-  for row in best.values():
-    row["ratio"] = (row["step_s"] / row["batch"]) / on_device[1]["step_s"]
-    row["same_batch_ratio"] = row["step_s"] / on_device[row["batch"]]["step_s"]
-    row["floor_s"] = floor_s(row)
-  return best
+def plan_argv(cards: list[float], host_rams: list[str], batches: list[int],
+              target: str) -> list[str]:
+  """``python -m optax_kahan.plan``'s arguments for ``--cards``."""
+  argv = ["--model", "flux-dev"]
+  argv += [a for c in cards for a in ("--card", f"{c:g}")]
+  argv += [a for r in host_rams for a in ("--host-ram", r)]
+  argv += [a for b in batches for a in ("--batch", str(b))]
+  return argv + ([] if target == "h200" else ["--target", target])
 
 
-def usable_bytes(gib: int) -> float:
-  """The largest peak a card of ``gib`` GiB takes with the margin."""
-  return gib * 2**30 - CONTEXT - MARGIN
+def run_plan(argv: list[str]) -> str:
+  """``python -m optax_kahan.plan`` as users run it, in a child process;
+  its output, each line shown as it comes (each compile takes 30 to 60 s)."""
+  child = subprocess.Popen([sys.executable, "-m", "optax_kahan.plan", *argv],
+                           stdout=subprocess.PIPE, text=True)
+  lines = []
+  for line in child.stdout:
+    print(line, end="", flush=True)
+    lines.append(line)
+  if child.wait():
+    raise SystemExit(f"python -m optax_kahan.plan failed ({child.returncode})")
+  return "".join(lines)
 
 
-def host_bytes(row: dict) -> float:
-  """The step's arguments and temporaries in host memory."""
-  return row["host_bytes"] + row.get("host_temp_bytes", 0)
-
-
-def fits(row: dict, gib: int) -> bool:
-  return row["peak_bytes"] <= usable_bytes(gib)
-
-
-def floor_s(row: dict) -> float:
-  """The step's physical floor: its matrix multiplies at the modeled rate,
-  or its bytes over PCIe in either direction, whichever takes longest."""
-  return max(row["gemm_s"], row["h2d_bytes"] / timeline.PCIE,
-             row["d2h_bytes"] / timeline.PCIE)
-
-
-def cards_markdown(r: dict) -> str:
-  lines = [
-      f"Compiled for {r['target_name']}, not run ({r['date']}, jax "
-      f"{r['jax']}): {r['model']}, `{OPTIMIZER}`, blockwise step. For each "
-      "card, the setup and batch with the lowest modeled time per sample "
-      f"whose device peak leaves {MARGIN / 1e9:.1f} GB after "
-      f"{CONTEXT / 1e9:.1f} GB of CUDA context"
-      + (f" and whose host memory is at most {r['max_host_gb']:g} GB"
-         if r.get("max_host_gb") else "")
-      + f" (batches {r['batches']}). "
-      "Modeled: `benchmarks.timeline` on the compiled schedule (gemms at "
-      f"{timeline.GEMM_FLOPS / 1e12:.0f} TFLOP/s, PCIe "
-      f"{timeline.PCIE / 1e9:.0f} GB/s per direction, other kernels free; an "
-      "estimate); per sample: the step over the batch; ratio: to the "
-      "residuals-on-device step at batch 1, per sample; same batch: to the "
-      "residuals-on-device step at the row's batch; host: its arguments "
-      "and temporaries in host memory; floor: the longest of the matrix "
-      "multiplies and each PCIe direction's bytes; loop floor: each loop "
-      "iteration at the longest of its gemms and its bytes each way "
-      "(`Timeline.loop_floor_s`), over the same batch's reference.", "",
-      "| card | setup | batch | device peak GB | margin GB | host GB | "
-      "modeled ms per sample | ratio | same batch | floor ms per sample | "
-      "modeled / floor | loop floor |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-  for card, v in r["rows"].items():
-    margin = v["card_gib"] * 2**30 - CONTEXT - v["peak_bytes"]
-    lines.append(
-        f"| {card} | {v['setup']} | {v['batch']} | "
-        f"{v['peak_bytes'] / 1e9:.2f} | {margin / 1e9:.2f} | "
-        f"{host_bytes(v) / 1e9:.1f} | "
-        f"{v['step_s'] / v['batch'] * 1e3:.0f} | {v['ratio']:.2f}x | "
-        f"{v['same_batch_ratio']:.2f}x | "
-        f"{v['floor_s'] / v['batch'] * 1e3:.0f} | "
-        f"{v['step_s'] / v['floor_s']:.2f}x | "
-        f"{v['same_batch_ratio'] * v['loop_floor_s'] / v['step_s']:.2f}x |")
-  return "\n".join(lines) + "\n"
+def save_cards(argv: list[str], output: str, tag: str = "") -> None:
+  """``--cards``' results: the command, the date and versions, its output."""
+  command = "python -m optax_kahan.plan " + " ".join(argv)
+  date = datetime.date.today().isoformat()
+  python = sys.version.split()[0]
+  report.save(
+      "streaming_cards" + (f"_{tag}" if tag else ""),
+      f"`{command}` ({date}, Python {python}, jax {jax.__version__}); its "
+      "output, each compile as it finished, then the layout per card and "
+      "host budget:\n\n" + output,
+      {"command": command, "date": date, "python": python,
+       "jax": jax.__version__, "output": output})
 
 
 def rows_for(cfg, target: str, quick: bool, spare: bool = True
@@ -368,9 +297,8 @@ def kept_rows(cfg, target: str) -> dict[str, dict]:
 def interleave_rows(cfg, target: str, quick: bool) -> dict[str, dict]:
   """One buffer per leaf against ``stream_blocks(..., interleave=True)``
   (the same host bytes, dealt three ways), activations in host memory, at
-  the layouts ``plan`` and ``--cards`` found for a 16 GiB card within 64 GB
-  (batch 4, residuals of the 4 double-stream blocks not streamed on the
-  device) and at batch 8, every block streamed or all but one; each beside
+  the layout ``plan`` found for a 16 GiB card within 64 GB (batch 4,
+  residuals of the 4 double-stream blocks not streamed on the device) and at batch 8, every block streamed or all but one; each beside
   the residuals-on-device step at its batch."""
   layouts = ([(2, (2, 4), None)] if quick else
              [(4, (15, 38), (4, 0)), (8, (19, 38), None),
@@ -445,20 +373,19 @@ def main(argv=None) -> dict:
                       help="only the fewest streamed blocks whose peak is at "
                       "most GB (1e9 bytes), to results/streaming_fit<GB>")
   parser.add_argument("--cards", action="store_true",
-                      help="for each card, the setup and batch (1, 2, 4) "
-                      "with the lowest modeled time per sample, to "
+                      help="python -m optax_kahan.plan for FLUX.1-dev at "
+                      "each --card and --max-host, to "
                       "results/streaming_cards")
   parser.add_argument("--batch", type=int, action="append",
                       help="with --cards or --activations: this batch "
-                      "only (repeat for more; default 1, 2 and 4, and 2 "
-                      "and 4)")
-  parser.add_argument("--card", type=int, action="append", metavar="GIB",
-                      help="with --cards: this card only (repeat for more; "
-                      f"default {CARDS})")
-  parser.add_argument("--max-host", type=float, metavar="GB",
-                      default=math.inf,
-                      help="with --cards: only setups whose host memory is "
-                      "at most GB (1e9 bytes)")
+                      "only (repeat for more; default 1 and 4, and 2 and "
+                      "4)")
+  parser.add_argument("--card", type=float, action="append", metavar="GIB",
+                      help="with --cards: a card's memory (repeat; default "
+                      f"{CARDS})")
+  parser.add_argument("--max-host", action="append", metavar="GB",
+                      help="with --cards: the most host memory, GB, or none "
+                      "(repeat; default 64 and none)")
   parser.add_argument("--activations", action="store_true",
                       help="every block streamed at batch 2 and 4 (or "
                       "--batch), the "
@@ -483,11 +410,17 @@ def main(argv=None) -> dict:
                               single_blocks=4, context_dim=256, vec_dim=64)
   cfg = dataclasses.replace(cfg, heads_per_chunk=2)
   batches = (1, 2) if args.quick else tuple(args.batch or (1, 2, 4))
-  if args.cards:
-    rows = card_rows(cfg, args.target, batches, tuple(args.card or CARDS),
-                     tuple(b for b in batches if b >= 4),
-                     spare=not args.one_buffer, max_host=args.max_host * 1e9)
-  elif args.activations:
+  if args.cards:  # the command's search, as users run it
+    if args.quick or args.one_buffer:
+      parser.error("--cards runs python -m optax_kahan.plan, which tries "
+                   "both buffer layouts on FLUX.1-dev: no --quick or "
+                   "--one-buffer")
+    argv = plan_argv(args.card or list(CARDS),
+                     args.max_host or ["64", "none"],
+                     args.batch or [1, 4], args.target)
+    save_cards(argv, run_plan(argv), args.tag)
+    return {}
+  if args.activations:
     rows = activation_rows(cfg, args.target, tuple(args.batch or (2, 4)))
   elif args.residuals_on_device:
     rows = kept_rows(cfg, args.target)
@@ -517,17 +450,12 @@ def main(argv=None) -> dict:
        "rows": rows}
   r["xla_flags"] = os.environ.get("XLA_FLAGS", "")
   r["compiler_options"] = ok.blockwise.STREAMING_COMPILER_OPTIONS
-  name = ("streaming_cards" if args.cards else
-          "streaming_activations" if args.activations else
+  name = ("streaming_activations" if args.activations else
           "streaming_residuals_on_device" if args.residuals_on_device else
           "streaming_interleave" if args.interleave else
           f"streaming_fit{args.fit:g}" if args.fit else "streaming")
-  r["batches"] = list(batches) if args.cards else None
-  r["max_host_gb"] = (args.max_host if args.cards and math.isfinite(
-      args.max_host) else None)
-  report.save(name + (f"_{args.tag}" if args.tag else ""),
-              cards_markdown(r) if args.cards else to_markdown(r), r,
-              args.quick)
+  report.save(name + (f"_{args.tag}" if args.tag else ""), to_markdown(r),
+              r, args.quick)
   return r
 
 

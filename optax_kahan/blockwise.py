@@ -20,6 +20,7 @@ from optax_kahan._src.blockwise.streaming import join_stacks
 from optax_kahan._src.blockwise.flax_adapters import linen_apply
 from optax_kahan._src.blockwise.flax_adapters import nnx_blockwise
 from optax_kahan._src.blockwise.plan import Layout
+from optax_kahan._src.blockwise.plan import NoLayoutFits
 from optax_kahan._src.blockwise.plan import Plan
 from optax_kahan._src.blockwise.plan import plan
 from optax_kahan._src.blockwise.model import num_blocks
@@ -33,7 +34,7 @@ __all__ = (
     "BlockwiseModel", "BlockwiseParams", "BlockwiseState", "DoubleBuffer",
     "STREAMING_COMPILER_OPTIONS", "block_axes_of", "blockwise_init",
     "blockwise_loss", "blockwise_step", "continue_stack", "front_buffers",
-    "Interleaved", "Layout", "Plan", "join_stacks", "linen_apply", "nnx_blockwise",
+    "Interleaved", "Layout", "NoLayoutFits", "Plan", "join_stacks", "linen_apply", "nnx_blockwise",
     "num_blocks", "per_block", "plan",
     "stream_blocks", "with_front_buffers",
 )

@@ -64,6 +64,16 @@ def test_dev_param_count_and_stacks():
              for x in jax.tree.leaves(params))
 
 
+def test_abstract_model_computes_the_models_loss(tiny):
+  # the functions built under eval_shape are the concrete model's: the same
+  # loss on its params (nothing of the abstract model's is allocated)
+  _, batch, params, loss, _ = tiny
+  model = fm.abstract_model(TINY)
+  assert len(model.blocks) == 2
+  got = _jit(lambda p, b: _run_pieces(model, p, b))(params, batch)
+  np.testing.assert_array_equal(got, loss)
+
+
 def test_pieces_match_forward(tiny):
   model, batch, params, loss, _ = tiny
   assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))

@@ -242,63 +242,26 @@ def test_host_compute_spike_reads_the_host_call(tmp_path):
   assert rows["an array in host memory"]["device_operands"] == 0
 
 
-def test_card_search_picks_the_fastest_sample_that_fits(monkeypatch):
-  # A stand-in for the compiled step of 8 + 8 blocks (GB, s): peak
-  # 30 - k + 4 * batch (+ 2 with residuals on the device) with k blocks
-  # streamed; step 0.1 * batch of compute, plus 0.04 s per streamed block
-  # less what the compute of a larger batch hides, plus 0.02 with host
-  # residuals; the saved activations in host memory: 3 GB less a sample,
-  # 0.01 s more; host memory: 1 GB a streamed block, twice with spares.
-  from benchmarks import streaming
-  cfg = type("Cfg", (), {"double_blocks": 8, "single_blocks": 8})()
-  compiled = []
-
-  def compile_row(cfg, target, batch, offload, streamed, spare=True,
-                  activations=False):
-    compiled.append((batch, offload, streamed, activations))
-    k = 0 if streamed is None else sum(streamed)
-    gemm = 0.1 * batch
-    copies = (max(0.0, 0.04 * k - 0.1 * (batch - 1)) + 0.02 * offload
-              + 0.01 * activations)
-    return {"batch": batch, "offload": offload, "streamed": streamed,
-            "activations": activations,
-            "peak_bytes": (30 - k + (4 - 3 * activations) * batch
-                           + 2 * (not offload)) * 1e9,
-            "host_bytes": k * 1e9 * (2 if spare else 1),
-            "step_s": gemm + copies, "gemm_s": gemm,
-            "h2d_bytes": k * 1e9, "d2h_bytes": 0}
-
-  monkeypatch.setattr(streaming, "compile_row", compile_row)
-  rows = streaming.card_rows(cfg, "h200", (1, 2), cards=(24, 48))
-  assert len(compiled) == len(set(compiled))  # each layout compiled once
-  # 48 GiB: the device holds it all; batch 1 and 2 tie at 0.1 s a sample
-  assert rows["48 GiB"]["setup"].startswith("residuals on the device")
-  assert rows["48 GiB"]["batch"] == 1 and rows["48 GiB"]["ratio"] == 1.0
-  # 24 GiB leaves 24.77 GB: batch 1 needs 10 blocks streamed (0.52 s a
-  # sample), batch 2 needs 14 (0.34 s a sample): batch 2 wins
-  assert (rows["24 GiB"]["batch"], rows["24 GiB"]["streamed"]) == (2, (6, 8))
-  assert rows["24 GiB"]["step_s"] == pytest.approx(0.68)
-  assert rows["24 GiB"]["ratio"] == pytest.approx(3.4)
-  assert rows["24 GiB"]["same_batch_ratio"] == pytest.approx(3.4)
-  assert rows["24 GiB"]["floor_s"] == pytest.approx(
-      14e9 / streaming.timeline.PCIE)
-  # batch 2 with its activations in host memory needs 8 blocks streamed
-  # (0.45 s, 0.225 s a sample): it wins at 24 GiB
-  compiled.clear()
-  rows = streaming.card_rows(cfg, "h200", (1, 2), cards=(24, 48),
-                             activation_batches=(2,))
-  assert len(compiled) == len(set(compiled))
-  assert (rows["24 GiB"]["batch"], rows["24 GiB"]["streamed"],
-          rows["24 GiB"]["activations"]) == (2, (0, 8), True)
-  assert rows["24 GiB"]["step_s"] == pytest.approx(0.45)
-  assert rows["24 GiB"]["same_batch_ratio"] == pytest.approx(0.45 / 0.2)
-  assert "activations in host memory" in rows["24 GiB"]["setup"]
-  # at most 10 GB of host memory: with one buffer per leaf, batch 1's 10
-  # streamed blocks (10 GB) fit it, batch 2's 14 do not
-  rows = streaming.card_rows(cfg, "h200", (1, 2), cards=(24,), spare=False,
-                             max_host=10e9)
-  assert (rows["24 GiB"]["batch"], rows["24 GiB"]["streamed"]) == (1, (2, 8))
-  assert "one buffer per leaf" in rows["24 GiB"]["setup"]
-  # batch 2 alone: batch 1 on the device is still compiled, as the reference
-  rows = streaming.card_rows(cfg, "h200", (2,), cards=(24,))
-  assert rows["24 GiB"]["ratio"] == pytest.approx(3.4)
+def test_cards_saves_the_plan_commands_output(monkeypatch, tmp_path):
+  # benchmarks.streaming --cards is the command users run (its search is
+  # tests/test_plan.py's and tests/test_plan_command.py's): the arguments
+  # it passes, and the command, date, versions and output it keeps.
+  import jax
+  from benchmarks import report, streaming
+  argv = streaming.plan_argv([8, 16.5], ["64", "none"], [1, 4], "h100")
+  assert argv == ["--model", "flux-dev", "--card", "8", "--card", "16.5",
+                  "--host-ram", "64", "--host-ram", "none", "--batch", "1",
+                  "--batch", "4", "--target", "h100"]
+  assert "--target" not in streaming.plan_argv([16], ["none"], [4], "h200")
+  monkeypatch.setattr(report, "RESULTS", tmp_path)
+  streaming.save_cards(argv, "plan: compiled 1 (...)\n| 8 | 64 | ... |\n",
+                       "t")
+  md = (tmp_path / "streaming_cards_t.md").read_text()
+  assert md.startswith("`python -m optax_kahan.plan --model flux-dev "
+                       "--card 8 --card 16.5 --host-ram 64")
+  assert f"jax {jax.__version__}" in md and md.endswith("| 8 | 64 | ... |\n")
+  data = json.loads((tmp_path / "streaming_cards_t.json").read_text())
+  assert data["output"].startswith("plan: compiled 1")
+  assert data["command"] == md[1:md.index("`", 1)]
+  with pytest.raises(SystemExit):  # --cards runs FLUX.1-dev: no --quick
+    streaming.main(["--cards", "--quick"])

@@ -672,6 +672,14 @@ def abstract_params(cfg: FluxConfig,
   return jax.eval_shape(build)
 
 
+def abstract_model(cfg: FluxConfig) -> BlockwiseModel:
+  """The functions of ``flux_blockwise``, of a model built under
+  ``nnx.eval_shape`` (nothing allocated): with ``abstract_params``, what
+  ``ok.blockwise.plan`` and a deviceless compile of the step take."""
+  return BlockwiseModel(*flux_blockwise(
+      nnx.eval_shape(lambda: Flux(cfg, rngs=nnx.Rngs(0))))[0])
+
+
 def num_params(params: Params) -> int:
   """The number of scalars in the leaves of ``params``."""
   return sum(math.prod(x.shape) for x in jax.tree.leaves(params))

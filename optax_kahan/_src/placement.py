@@ -64,9 +64,8 @@ def commit_with(state: Any, params: Any, where: str) -> Any:
   sharding = arrays[0].sharding
   if isinstance(sharding, jax.sharding.NamedSharding):
     target = jax.sharding.NamedSharding(sharding.mesh, jax.P())
-  else:
-    target = jax.sharding.SingleDeviceSharding(
-        next(iter(sharding.device_set)))
+  else:  # one device (jax.device_put to a Device commits to it)
+    target = next(iter(sharding.device_set))
   return jax.tree.map(
       lambda x: jax.device_put(x, target) if concrete(x) and not x.committed
       else x, state)

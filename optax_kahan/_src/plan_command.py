@@ -22,17 +22,15 @@ from typing import Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from optax_kahan._src import gpu_targets
 from optax_kahan._src.alias import prodigy_factored
-from optax_kahan._src.blockwise.model import BlockwiseModel
+from optax_kahan._src.blockwise.plan import NoLayoutFits
 from optax_kahan._src.blockwise.plan import Plan
 from optax_kahan._src.blockwise.plan import plan
+from optax_kahan._src.flux import abstract_model
 from optax_kahan._src.flux import abstract_params
 from optax_kahan._src.flux import batch_spec
-from optax_kahan._src.flux import Flux
-from optax_kahan._src.flux import flux_blockwise
 from optax_kahan._src.flux import FluxConfig
 from optax_kahan._src.flux import num_params
 from optax_kahan._src.kahan import kahan
@@ -99,8 +97,7 @@ def model_plans(
     By ``(card, host RAM)``: ``plan``'s ``Plan`` (what ``Plan.stream`` and
     ``Plan.jit_step`` take), or why no layout fits (``plan``'s error).
   """
-  model = BlockwiseModel(*flux_blockwise(
-      nnx.eval_shape(lambda: Flux(config, rngs=nnx.Rngs(0))))[0])
+  model = abstract_model(config)
   params = abstract_params(config, jnp.bfloat16)
   batch = batch_spec(config, 1, image_tokens(resolution), text_tokens)
   tx = default_tx() if tx is None else tx
@@ -113,9 +110,7 @@ def model_plans(
             host_memory=math.inf if ram is None else ram * 1e9,
             batches=tuple(batches), target=target, interleave=interleave,
             progress=progress)
-      except ValueError as e:
-        if "no layout fits" not in str(e):
-          raise
+      except NoLayoutFits as e:
         plans[card, ram] = str(e)
   return plans
 

@@ -46,6 +46,11 @@ _RECORDS: dict[str, "Figures"] = {}
 _SEARCHES: dict[tuple, "_Candidates"] = {}
 
 
+class NoLayoutFits(ValueError):
+  """``plan`` found no candidate layout within the device and host budgets;
+  the message gives the budgets and the smallest peak compiled."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Where a blockwise step's blocks live, and its batch.
@@ -301,8 +306,10 @@ def plan(
   buffers), and the host bytes and the modeled time not to fall: the best
   of a family is then its fewest streamed blocks that fit, found by
   bisection within a stack (guesses interpolated between the peaks
-  compiled); a family is dropped once a count below the one it needs is no
-  faster per sample than the best so far. Whatever it returns was compiled
+  compiled). It also takes each stack's last count to have its lowest
+  peak: a family none of whose stack ends fits is dropped after compiling
+  them (and ``k = 0``), as is one once a count below the one it needs is
+  no faster per sample than the best so far. Whatever it returns was compiled
   and fits; on a model that breaks those assumptions it may miss a faster
   layout that fits (``tests/test_plan.py`` checks the search against brute
   force). Compiled candidates are kept for the process, by their program
@@ -345,9 +352,11 @@ def plan(
     ``plan.jit_step(model, tx)`` is the step to call on them.
 
   Raises:
+    NoLayoutFits: when no candidate fits (a ``ValueError``; the smallest
+      peak compiled is given).
     ValueError: on XLA:CPU without ``target`` (host memory is bookkeeping
-      there: nothing to choose), for an unknown target, a batch size below
-      1, or when no candidate fits (the smallest peak compiled is given).
+      there: nothing to choose), for an unknown target or a batch size below
+      1.
   """
   check_params(model, params)
   if target is None and jax.default_backend() == "cpu":
@@ -372,12 +381,12 @@ def plan(
   seen = {layout: search.seen[layout] for layout in search.looked}
   if best is None and not seen:  # no candidate's host arguments fit
     least = min(search.host_argument_bytes(search.at(f, 0)) for f in families)
-    raise ValueError(
+    raise NoLayoutFits(
         f"plan: no layout fits {host_budget / 1e9:.2f} GB of host memory: "
         f"the params and state take at least {least / 1e9:.2f} GB there")
   if best is None:
     smallest = min(seen.items(), key=lambda kv: kv[1].peak_bytes)
-    raise ValueError(
+    raise NoLayoutFits(
         f"plan: no layout fits {device_budget / 1e9:.2f} GB of device "
         f"memory and {host_budget / 1e9:.2f} GB of host memory; the smallest "
         f"peak compiled: {smallest[1].peak_bytes / 1e9:.2f} GB "
@@ -534,13 +543,26 @@ def _fewest_that_fit(figures: Callable[[int], Figures], top: int, batch: int,
   least ``best`` seconds per sample. ``ends``: the counts at which each
   stack is wholly streamed, ascending. Within a stack the first two blocks
   streamed may raise the peak (each adds its staging buffers); from there
-  to the stack's end the peak is taken not to rise."""
+  to the stack's end the peak is taken not to rise, and a stack's last count
+  to have the lowest peak of the stack's counts: when none of those (nor,
+  in a stack cut short at ``top``, its first two counts and ``top``) fits,
+  no count does, and the family is dropped after them."""
   fits = lambda k: figures(k).peak_bytes <= budget
   slow = lambda k: figures(k).step_s / batch >= best
   if top < 0 or slow(0):
     return None
   if fits(0):
     return 0
+  lowest, start = [], 0  # the counts that may have a stack's lowest peak
+  for end in ends:
+    if start >= top:
+      break
+    lowest.append(min(end, top))
+    if end > top:  # a stack cut short by the host budget: its first two too
+      lowest += range(start + 1, min(start + 2, top - 1) + 1)
+    start = end
+  if not any(fits(k) for k in sorted(lowest, reverse=True)):
+    return None
   start = 0
   for end in ends:
     end = min(end, top)
