@@ -5,6 +5,7 @@ References:
   sd-scripts (kohya-ss) ``--blocks_to_swap``, found there by trial.
 """
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -12,7 +13,7 @@ import itertools
 import math
 import os
 import time
-from typing import Any, Callable, MutableMapping, Optional, Sequence
+from typing import Any, Callable, Iterable, MutableMapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -278,6 +279,7 @@ def plan(
     margin: float = MARGIN,
     interleave: bool = False,
     progress: bool = True,
+    workers: Optional[int] = None,
 ) -> Plan:
   r"""The streamed layout with the fastest modeled step per sample that fits.
 
@@ -309,9 +311,11 @@ def plan(
   compiled). It also takes each stack's last count to have its lowest
   peak: a family none of whose stack ends fits is dropped after compiling
   them (and ``k = 0``), as is one once a count below the one it needs is
-  no faster per sample than the best so far. Whatever it returns was compiled
-  and fits; on a model that breaks those assumptions it may miss a faster
-  layout that fits (``tests/test_plan.py`` checks the search against brute
+  no faster per sample than the best so far. Where it needs several
+  candidates at once (each family's ``k = 0``, a stack's first counts and
+  its end) it compiles them ``workers`` at a time. Whatever it returns was
+  compiled and fits; on a model that breaks those assumptions it may miss a
+  faster layout that fits (``tests/test_plan.py`` checks the search against brute
   force). Compiled candidates are kept for the process, by their program
   (the lowered text, target, options and jax version), and the layouts
   looked at by the model and optimizer objects and the shapes: a second
@@ -346,6 +350,9 @@ def plan(
       families more to compile.
     progress: print a line per compile (30 to 60 s each at FLUX.1-dev's
       size, deviceless on a CPU).
+    workers: how many candidates may compile at once, where the search
+      needs several (default: the CPUs, at most 4; each FLUX.1-dev compile
+      takes about 3 GB of RAM).
 
   Returns:
     A ``Plan``: ``plan.stream(model, params, state)`` lays out the blocks,
@@ -374,6 +381,7 @@ def plan(
                                         margin)
   search = _candidates(model, params, tx, batch, target)
   search.progress, search.looked = progress, {}
+  search.workers = workers or min(4, os.cpu_count() or 1)
   compiled_before = search.compiles
   validation.check_bool("plan", "interleave", interleave)
   families = _families(batches, search.host_state, interleave)
@@ -445,6 +453,7 @@ class _Candidates:
     self.seen: dict[Layout, Figures] = {}  # every layout, once compiled
     self.looked: dict[Layout, None] = {}  # those of the current search
     self.compiles = 0
+    self.workers = 1
     self._host_bytes: dict[tuple, int] = {}
 
   def at(self, family: Layout, k: int) -> Layout:
@@ -470,31 +479,55 @@ class _Candidates:
   def figures(self, layout: Layout) -> Figures:
     """The compiled ``layout``'s figures (compiled once per process)."""
     self.looked[layout] = None
-    if layout in self.seen:
-      return self.seen[layout]
-    m, p, s = self.stream(layout)
-    tx, act = self.tx, layout.offload_activations
-    with jax.set_mesh(self.mesh):
-      lowered = jax.jit(
-          lambda p, s, x: blockwise_step(m, tx, p, s, x,
-                                         offload_activations=act),
-          donate_argnums=(0, 1),
-          compiler_options=STREAMING_COMPILER_OPTIONS).lower(
-              p, s, self.batch(layout.batch))
-    key = _key(lowered, self.name)
-    if key not in _RECORDS:
-      t0 = time.perf_counter()
-      compiled = lowered.compile()
-      _RECORDS[key] = _figures(compiled, time.perf_counter() - t0)
-      self.compiles += 1
-      if self.progress:
-        f = _RECORDS[key]
-        print(f"plan: compiled {self.compiles} ({layout.describe()}): peak "
-              f"{f.peak_bytes / 1e9:.2f} GB, host {f.host_bytes / 1e9:.2f} "
-              f"GB, {f.step_s / layout.batch * 1e3:.1f} ms per sample "
-              f"modeled, in {f.compile_s:.0f} s", flush=True)
-    self.seen[layout] = _RECORDS[key]
+    if layout not in self.seen:
+      self.prefetch([layout])
     return self.seen[layout]
+
+  def prefetch(self, layouts: Iterable[Layout]) -> None:
+    """Compiles those of ``layouts`` not compiled yet, up to ``workers`` at
+    once (XLA compiles outside Python's lock; each is lowered here, while
+    the ones before it compile), for ``figures`` to find. The search calls
+    it where it will need all of ``layouts``, or nearly."""
+    jobs = {}  # key: (lowered, its layouts, its compile)
+    with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
+      for layout in layouts:
+        if layout in self.seen:
+          continue
+        m, p, s = self.stream(layout)
+        tx, act = self.tx, layout.offload_activations
+        with jax.set_mesh(self.mesh):
+          lowered = jax.jit(
+              lambda p, s, x: blockwise_step(m, tx, p, s, x,
+                                             offload_activations=act),
+              donate_argnums=(0, 1),
+              compiler_options=STREAMING_COMPILER_OPTIONS).lower(
+                  p, s, self.batch(layout.batch))
+        key = _key(lowered, self.name)
+        if key in _RECORDS:
+          self.seen[layout] = _RECORDS[key]
+        elif key in jobs:
+          jobs[key][0].append(layout)
+        else:
+          jobs[key] = ([layout], pool.submit(_compile, lowered))
+      for key, (same, job) in jobs.items():
+        _RECORDS[key] = _figures(*job.result())
+        self.compiles += 1
+        for layout in same:
+          self.seen[layout] = _RECORDS[key]
+        if self.progress:
+          f = _RECORDS[key]
+          print(f"plan: compiled {self.compiles} ({same[0].describe()}): "
+                f"peak {f.peak_bytes / 1e9:.2f} GB, host "
+                f"{f.host_bytes / 1e9:.2f} GB, "
+                f"{f.step_s / same[0].batch * 1e3:.1f} ms per sample "
+                f"modeled, in {f.compile_s:.0f} s", flush=True)
+
+
+def _compile(lowered) -> tuple[Any, float]:
+  """``lowered`` compiled, and the seconds it took."""
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  return compiled, time.perf_counter() - t0
 
 
 def _families(batches: Sequence[int], host_state: bool,
@@ -517,6 +550,8 @@ def _search(search: "_Candidates", families: Sequence[Layout],
   """The fitting layout fastest per sample (the first family's on a tie),
   by ``_fewest_that_fit`` in each family; None if none fits."""
   best: Optional[tuple[float, Layout]] = None
+  search.prefetch(search.at(f, 0) for f in families  # every one looked at
+                  if search.host_argument_bytes(search.at(f, 0)) <= host_budget)
   for family in families:
     at = functools.partial(search.at, family)
     top = -1  # the most blocks streamed whose host arguments can fit
@@ -526,7 +561,8 @@ def _search(search: "_Candidates", families: Sequence[Layout],
       top = k
     found = _fewest_that_fit(
         lambda k: search.figures(at(k)), top, family.batch, device_budget,
-        math.inf if best is None else best[0], search.ends)
+        math.inf if best is None else best[0], search.ends,
+        lambda ks: search.prefetch(at(k) for k in ks))
     if found is None or search.figures(at(found)).host_bytes > host_budget:
       continue  # host bytes do not fall with more blocks streamed
     per_sample = search.figures(at(found)).step_s / family.batch
@@ -536,7 +572,8 @@ def _search(search: "_Candidates", families: Sequence[Layout],
 
 
 def _fewest_that_fit(figures: Callable[[int], Figures], top: int, batch: int,
-                     budget: float, best: float, ends: Sequence[int]
+                     budget: float, best: float, ends: Sequence[int],
+                     prefetch: Callable[[Sequence[int]], None] = lambda ks: None
                      ) -> Optional[int]:
   """The fewest streamed blocks in ``0..top`` whose peak is at most
   ``budget``; None if none does, or if a count below it already takes at
@@ -546,13 +583,16 @@ def _fewest_that_fit(figures: Callable[[int], Figures], top: int, batch: int,
   to the stack's end the peak is taken not to rise, and a stack's last count
   to have the lowest peak of the stack's counts: when none of those (nor,
   in a stack cut short at ``top``, its first two counts and ``top``) fits,
-  no count does, and the family is dropped after them."""
+  no count does, and the family is dropped after them. ``prefetch(ks)``
+  compiles counts together where all, or nearly, will be looked at."""
   fits = lambda k: figures(k).peak_bytes <= budget
   slow = lambda k: figures(k).step_s / batch >= best
   if top < 0 or slow(0):
     return None
   if fits(0):
     return 0
+  if top == 0:
+    return None
   lowest, start = [], 0  # the counts that may have a stack's lowest peak
   for end in ends:
     if start >= top:
@@ -561,11 +601,15 @@ def _fewest_that_fit(figures: Callable[[int], Figures], top: int, batch: int,
     if end > top:  # a stack cut short by the host budget: its first two too
       lowest += range(start + 1, min(start + 2, top - 1) + 1)
     start = end
-  if not any(fits(k) for k in sorted(lowest, reverse=True)):
-    return None
+  lowest.sort(reverse=True)  # the most streamed first: the likeliest to fit
+  if not fits(lowest[0]):
+    prefetch(lowest[1:])
+    if not any(fits(k) for k in lowest[1:]):
+      return None
   start = 0
   for end in ends:
     end = min(end, top)
+    prefetch(sorted({*range(start + 1, min(start + 2, end) + 1), end}))
     for k in range(start + 1, min(start + 2, end) + 1):
       if fits(k):
         return k
