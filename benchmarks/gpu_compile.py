@@ -92,7 +92,6 @@ import jax.numpy as jnp
 import optax
 
 import optax_kahan as ok
-from optax_kahan import blockwise
 from optax_kahan._src import gpu_targets
 from optax_kahan import flux as flux_model
 from benchmarks import model_shapes

@@ -188,6 +188,11 @@ def fewest_streamed(cfg, target: str, limit: float, spare: bool = True,
   return (*streamed(lo), row(lo))
 
 
+def host_bytes(row: dict) -> float:
+  """The step's arguments and temporaries in host memory."""
+  return row["host_bytes"] + row.get("host_temp_bytes", 0)
+
+
 def plan_argv(cards: list[float], host_rams: list[str], batches: list[int],
               target: str) -> list[str]:
   """``python -m optax_kahan.plan``'s arguments for ``--cards``."""
@@ -409,7 +414,6 @@ def main(argv=None) -> dict:
     cfg = dataclasses.replace(cfg, hidden=256, heads=2, double_blocks=2,
                               single_blocks=4, context_dim=256, vec_dim=64)
   cfg = dataclasses.replace(cfg, heads_per_chunk=2)
-  batches = (1, 2) if args.quick else tuple(args.batch or (1, 2, 4))
   if args.cards:  # the command's search, as users run it
     if args.quick or args.one_buffer:
       parser.error("--cards runs python -m optax_kahan.plan, which tries "

@@ -13,7 +13,7 @@ import itertools
 import math
 import os
 import time
-from typing import Any, Callable, Iterable, MutableMapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
