@@ -315,8 +315,8 @@ def plan(
   candidates at once (each family's ``k = 0``, a stack's first counts and
   its end) it compiles them ``workers`` at a time. Whatever it returns was
   compiled and fits; on a model that breaks those assumptions it may miss a
-  faster layout that fits (``tests/test_plan.py`` checks the search against brute
-  force). Compiled candidates are kept for the process, by their program
+  faster layout that fits (``tests/test_plan.py`` checks the search against
+  brute force). Compiled candidates are kept for the process, by their program
   (the lowered text, target, options and jax version), and the layouts
   looked at by the model and optimizer objects and the shapes: a second
   call with the same ones neither traces nor compiles, whatever its
@@ -488,7 +488,7 @@ class _Candidates:
     once (XLA compiles outside Python's lock; each is lowered here, while
     the ones before it compile), for ``figures`` to find. The search calls
     it where it will need all of ``layouts``, or nearly."""
-    jobs = {}  # key: (lowered, its layouts, its compile)
+    jobs = {}  # program key: (its layouts, its compile)
     with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
       for layout in layouts:
         if layout in self.seen:
