@@ -303,8 +303,9 @@ def interleave_rows(cfg, target: str, quick: bool) -> dict[str, dict]:
   """One buffer per leaf against ``stream_blocks(..., interleave=True)``
   (the same host bytes, dealt three ways), activations in host memory, at
   the layout ``plan`` found for a 16 GiB card within 64 GB (batch 4,
-  residuals of the 4 double-stream blocks not streamed on the device) and at batch 8, every block streamed or all but one; each beside
-  the residuals-on-device step at its batch."""
+  residuals of the 4 double-stream blocks not streamed on the device) and
+  at batch 8, every block streamed or all but one; each beside the
+  residuals-on-device step at its batch."""
   layouts = ([(2, (2, 4), None)] if quick else
              [(4, (15, 38), (4, 0)), (8, (19, 38), None),
               (8, (18, 38), None)])
