@@ -44,8 +44,9 @@ streamed rows with ``stream_blocks(..., spare_buffers=False)``.
 blocks not streamed keep their residuals on the device. ``--cards``: runs
 ``python -m optax_kahan.plan`` (``ok.blockwise.plan``'s search) for
 FLUX.1-dev at each ``--card`` (default 8 to 80 GiB) and ``--max-host``
-(default 64 GB and no cap), batches 1 and 4 (or ``--batch``), and saves its
-output to ``results/streaming_cards``.
+(default 64 GB and no cap), batches 1 and 4 (or ``--batch``), with
+``--interleave`` also interleaved host arrays, and saves its output to
+``results/streaming_cards``.
 ``--residuals-on-device``: the residuals in host memory but the first 0, 5 or
 10 double-stream blocks' (``stream_blocks(..., residuals_on_device=)``), at
 batch 1 and 2, to ``results/streaming_residuals_on_device``. Every row also
@@ -194,20 +195,22 @@ def host_bytes(row: dict) -> float:
 
 
 def plan_argv(cards: list[float], host_rams: list[str], batches: list[int],
-              target: str) -> list[str]:
+              target: str, interleave: bool = False) -> list[str]:
   """``python -m optax_kahan.plan``'s arguments for ``--cards``."""
   argv = ["--model", "flux-dev"]
   argv += [a for c in cards for a in ("--card", f"{c:g}")]
   argv += [a for r in host_rams for a in ("--host-ram", r)]
   argv += [a for b in batches for a in ("--batch", str(b))]
-  return argv + ([] if target == "h200" else ["--target", target])
+  argv += [] if target == "h200" else ["--target", target]
+  return argv + (["--interleave"] if interleave else [])
 
 
 def run_plan(argv: list[str]) -> str:
   """``python -m optax_kahan.plan`` as users run it, in a child process;
   its output, each line shown as it comes (each compile takes 30 to 60 s)."""
   child = subprocess.Popen([sys.executable, "-m", "optax_kahan.plan", *argv],
-                           stdout=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
   lines = []
   for line in child.stdout:
     print(line, end="", flush=True)
@@ -404,7 +407,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--interleave", action="store_true",
                       help="one buffer per leaf against interleave=True at "
                       "batch 4 (15 + 38 streamed) and 8 (19 or 18 + 38), to "
-                      "results/streaming_interleave")
+                      "results/streaming_interleave; with --cards: the "
+                      "search also tries interleaved host arrays")
   parser.add_argument("--device-residuals", action="store_true",
                       help="with --fit: kahan(..., offload=False), the "
                       "blocks not streamed keep their residuals on the "
@@ -422,7 +426,7 @@ def main(argv=None) -> dict:
                    "--one-buffer")
     argv = plan_argv(args.card or list(CARDS),
                      args.max_host or ["64", "none"],
-                     args.batch or [1, 4], args.target)
+                     args.batch or [1, 4], args.target, args.interleave)
     save_cards(argv, run_plan(argv), args.tag)
     return {}
   if args.activations:

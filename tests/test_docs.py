@@ -305,15 +305,12 @@ DERIVED = {
     "17.65 GB": 48 * GIB - 0.5 - 33.39,
     "10.49 GB": 48 * GIB - 0.5 - 40.55,
     "29.70 GB": 80 * GIB - 0.5 - 55.70,
-    "1.07 GB": 16 * GIB - 0.5 - 15.61,
     # plan's device budget for a 16 GiB card (context and margin, 0.5 GB
     # each) against the interleaved all-streamed batch-8 peak
     "0.56 GB": 16.74 - (16 * GIB - 0.5 - 0.5),
     # the saved activations' bytes over PCIe, in and out (batch 4)
     "6.7 GB": 85.2 - 78.5,
     "6.5 GB": 60.4 - 53.9,
-    # the 16 GB row's modelled step less its loop floor (streaming_cards_b4)
-    "78.5 ms": (2.015533972799632 - 1.937033210575269) * 1e3,
 }
 
 

@@ -252,7 +252,9 @@ def test_cards_saves_the_plan_commands_output(monkeypatch, tmp_path):
   assert argv == ["--model", "flux-dev", "--card", "8", "--card", "16.5",
                   "--host-ram", "64", "--host-ram", "none", "--batch", "1",
                   "--batch", "4", "--target", "h100"]
-  assert "--target" not in streaming.plan_argv([16], ["none"], [4], "h200")
+  assert streaming.plan_argv([16], ["none"], [4], "h200", True) == [
+      "--model", "flux-dev", "--card", "16", "--host-ram", "none", "--batch",
+      "4", "--interleave"]
   monkeypatch.setattr(report, "RESULTS", tmp_path)
   streaming.save_cards(argv, "plan: compiled 1 (...)\n| 8 | 64 | ... |\n",
                        "t")

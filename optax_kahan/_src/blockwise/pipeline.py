@@ -6,7 +6,7 @@ A block is addressed by ``at``: its index in the stack; for a stack with
 None: the leaf is that one block's value already (not stacked).
 """
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
