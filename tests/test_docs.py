@@ -9,7 +9,9 @@
 * Every ``python`` block of the README and of the docs runs as a complete
   program, in a namespace of its own, with the package's warnings as errors,
   and every function it defines compiles at most once. A block preceded by
-  ``<!-- test: slow -->`` runs in the slow suite.
+  ``<!-- test: slow -->`` runs in the slow suite, in a child process started
+  with ``JAX_PLATFORMS=cpu``, as the docs say to run a program that compiles
+  for a GPU on a machine without one.
 * The docstrings' examples run (doctest), with their output checked.
 * Where headless Chromium is installed: offline, at 1280 and 1024 px, every
   page's math is typeset by the site's own MathJax and no table or code block
@@ -36,6 +38,7 @@ import pytest
 
 import optax_kahan as ok
 from _compiles import counting_compiles
+from tests import _subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -51,8 +54,9 @@ def _blocks() -> list:
     for m in _BLOCK.finditer(text):
       line = text.count("\n", 0, m.start(2))
       name = f"{page.relative_to(ROOT)}:{line}"
-      marks = [pytest.mark.slow] if m.group(1) else []
-      params.append(pytest.param(m.group(2), id=name, marks=marks))
+      slow = bool(m.group(1))
+      params.append(pytest.param(m.group(2), slow, id=name,
+                                 marks=[pytest.mark.slow] if slow else []))
   return params
 
 
@@ -63,12 +67,38 @@ def _run_counting_compiles(source: str) -> list[str]:
   return names
 
 
-@pytest.mark.parametrize("source", _blocks())
-def test_code_block_runs_and_compiles_its_steps_once(source, monkeypatch):
+# A child's program: the block from stdin, the package's warnings as errors
+# (as pyproject.toml's filterwarnings makes them here); the names jax
+# compiled, as JSON, last.
+_CHILD = """
+import json, sys, warnings
+import optax_kahan
+from tests._compiles import counting_compiles
+warnings.simplefilter("error", optax_kahan.OptaxKahanWarning)
+source = sys.stdin.read()
+with counting_compiles() as names:
+  exec(compile(source, "<block>", "exec"), {"__name__": "__main__"})
+print(json.dumps(names))
+"""
+
+
+def _run_alone_counting_compiles(source: str) -> list[str]:
+  """``_run_counting_compiles`` in a child started with ``JAX_PLATFORMS=cpu``."""
+  out = subprocess.run([sys.executable, "-c", _CHILD], input=source,
+                       env=_subprocess.env_for(1), cwd=ROOT,
+                       capture_output=True, text=True, timeout=1800)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("source, alone", _blocks())
+def test_code_block_runs_and_compiles_its_steps_once(source, alone,
+                                                     monkeypatch):
   monkeypatch.chdir(ROOT)
   defined = {node.name for node in ast.walk(ast.parse(source))
              if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
-  compiled = _run_counting_compiles(source)
+  compiled = (_run_alone_counting_compiles if alone
+              else _run_counting_compiles)(source)
   for name in defined:
     assert compiled.count(name) <= 1, (
         f"{name} compiled {compiled.count(name)} times")

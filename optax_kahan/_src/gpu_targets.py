@@ -80,7 +80,10 @@ def gpu_mesh(target: str) -> jax.sharding.Mesh:
 
   Raises:
     ValueError: for a target not in ``TARGETS``.
-    RuntimeError: without jax's CUDA plugin at jax's version.
+    RuntimeError: without jax's CUDA plugin at jax's version, or where the
+      plugin did not start: on a machine without a GPU it looks for CUDA's
+      libraries, and starts without them only where jax's platforms were
+      set to the CPU before its backends started.
   """
   if target not in TARGETS:
     raise ValueError(f"unknown GPU target {target!r}: one of "
@@ -91,5 +94,11 @@ def gpu_mesh(target: str) -> jax.sharding.Mesh:
   except Exception as e:  # the plugin missing, or another jax version's
     raise RuntimeError(
         f"compiling for {target!r} without a GPU needs jax's CUDA plugin at "
-        f"jax's version ({type(e).__name__}: {e})") from e
+        "jax's version (in the clone: pip install -e \".[gpu-aot]\", 3.7 GB) "
+        "and, on a "
+        "machine without a GPU, jax's platforms set to the CPU before "
+        "anything starts its backends (JAX_PLATFORMS=cpu, or "
+        "jax.config.update(\"jax_platforms\", \"cpu\") first): the "
+        "plugin looks for CUDA otherwise "
+        f"({type(e).__name__}: {e})") from e
   return topologies.make_mesh(topo, (1,), ("x",))

@@ -174,8 +174,7 @@ def main(argv: Optional[Sequence[str]] = None
     try:
       gpu_targets.gpu_mesh(target)
     except RuntimeError as e:
-      parser.exit(2, f"{parser.prog}: {e}; in the clone: pip install -e "
-                  "\".[gpu-aot]\" (3.7 GB), or --target this-gpu on a "
+      parser.exit(2, f"{parser.prog}: {e}; or --target this-gpu on a "
                   "machine with a GPU\n")
   config = MODELS[args.model]
   t0 = time.perf_counter()

@@ -341,8 +341,10 @@ def plan(
     host_memory: the most host memory (bytes) the step may take (default:
       this machine's RAM).
     batches: the batch sizes to try.
-    target: ``"h100"`` or ``"h200"``: compile for it without a GPU. None:
-      for this machine's GPU.
+    target: ``"h100"`` or ``"h200"``: compile for it without a GPU (on a
+      machine without one, start the program with ``JAX_PLATFORMS=cpu``:
+      jax's CUDA plugin looks for CUDA otherwise). None: for this
+      machine's GPU.
     margin: device memory left free beside the peak (bytes).
     interleave: also try each streamed leaf dealt into three host arrays
       (``stream_blocks(..., interleave=True)``): one buffer's host bytes,
@@ -364,6 +366,8 @@ def plan(
     ValueError: on XLA:CPU without ``target`` (host memory is bookkeeping
       there: nothing to choose), for an unknown target or a batch size below
       1.
+    RuntimeError: for a ``target`` jax's CUDA plugin cannot compile for
+      here (the plugin missing, or not started: see ``target``).
   """
   check_params(model, params)
   if target is None and jax.default_backend() == "cpu":
