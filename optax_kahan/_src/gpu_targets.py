@@ -95,10 +95,8 @@ def gpu_mesh(target: str) -> jax.sharding.Mesh:
     raise RuntimeError(
         f"compiling for {target!r} without a GPU needs jax's CUDA plugin at "
         "jax's version (in the clone: pip install -e \".[gpu-aot]\", 3.7 GB) "
-        "and, on a "
-        "machine without a GPU, jax's platforms set to the CPU before "
-        "anything starts its backends (JAX_PLATFORMS=cpu, or "
-        "jax.config.update(\"jax_platforms\", \"cpu\") first): the "
-        "plugin looks for CUDA otherwise "
-        f"({type(e).__name__}: {e})") from e
+        "and, on a machine without a GPU, jax's platforms set to the CPU "
+        "before anything starts its backends (JAX_PLATFORMS=cpu, or "
+        "jax.config.update(\"jax_platforms\", \"cpu\") first): the plugin "
+        f"looks for CUDA otherwise ({type(e).__name__}: {e})") from e
   return topologies.make_mesh(topo, (1,), ("x",))
