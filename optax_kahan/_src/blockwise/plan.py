@@ -461,9 +461,14 @@ class _Candidates:
     self._host_bytes: dict[tuple, int] = {}
 
   def at(self, family: Layout, k: int) -> Layout:
-    """``family`` with ``k`` blocks streamed."""
-    return dataclasses.replace(family,
-                               num_streamed=_streamed(self.counts, k))
+    """``family`` with ``k`` blocks streamed (with every block streamed,
+    no residuals are left to keep on the device: the same layout as the
+    family without them, compiled once)."""
+    layout = dataclasses.replace(family,
+                                 num_streamed=_streamed(self.counts, k))
+    if layout.residuals_on_device and _kept(layout, self.params) is None:
+      layout = dataclasses.replace(layout, residuals_on_device=False)
+    return layout
 
   def stream(self, layout: Layout):
     return stream_blocks(self.model, self.params, self.state,
