@@ -34,3 +34,11 @@ def counting_compiles():
   finally:
     logger.removeHandler(handler)
     logger.setLevel(old_level)
+
+
+def run_counting_compiles(source: str) -> list[str]:
+  """Runs ``source`` as a program of its own (``__name__ == "__main__"``);
+  the names of the functions jax compiled."""
+  with counting_compiles() as names:
+    exec(compile(source, "<block>", "exec"), {"__name__": "__main__"})
+  return names

@@ -37,7 +37,7 @@ import optax
 import pytest
 
 import optax_kahan as ok
-from _compiles import counting_compiles
+from _compiles import run_counting_compiles
 from tests import _subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -60,30 +60,20 @@ def _blocks() -> list:
   return params
 
 
-def _run_counting_compiles(source: str) -> list[str]:
-  """Runs ``source`` in a namespace of its own; the names jax compiled."""
-  with counting_compiles() as names:
-    exec(compile(source, "<block>", "exec"), {"__name__": "__main__"})
-  return names
-
-
 # A child's program: the block from stdin, the package's warnings as errors
 # (as pyproject.toml's filterwarnings makes them here); the names jax
 # compiled, as JSON, last.
 _CHILD = """
 import json, sys, warnings
 import optax_kahan
-from tests._compiles import counting_compiles
+from tests._compiles import run_counting_compiles
 warnings.simplefilter("error", optax_kahan.OptaxKahanWarning)
-source = sys.stdin.read()
-with counting_compiles() as names:
-  exec(compile(source, "<block>", "exec"), {"__name__": "__main__"})
-print(json.dumps(names))
+print(json.dumps(run_counting_compiles(sys.stdin.read())))
 """
 
 
 def _run_alone_counting_compiles(source: str) -> list[str]:
-  """``_run_counting_compiles`` in a child started with ``JAX_PLATFORMS=cpu``."""
+  """``run_counting_compiles`` in a child started with ``JAX_PLATFORMS=cpu``."""
   out = subprocess.run([sys.executable, "-c", _CHILD], input=source,
                        env=_subprocess.env_for(1), cwd=ROOT,
                        capture_output=True, text=True, timeout=1800)
@@ -98,7 +88,7 @@ def test_code_block_runs_and_compiles_its_steps_once(source, alone,
   defined = {node.name for node in ast.walk(ast.parse(source))
              if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
   compiled = (_run_alone_counting_compiles if alone
-              else _run_counting_compiles)(source)
+              else run_counting_compiles)(source)
   for name in defined:
     assert compiled.count(name) <= 1, (
         f"{name} compiled {compiled.count(name)} times")
@@ -107,7 +97,7 @@ def test_code_block_runs_and_compiles_its_steps_once(source, alone,
 def test_the_compile_count_sees_a_second_compilation():
   # The count above reads jax.log_compiles' messages: if their wording
   # changed, it would see nothing and pass for anything. It must see this.
-  compiled = _run_counting_compiles(
+  compiled = run_counting_compiles(
       "import jax, jax.numpy as jnp\n"
       "@jax.jit\n"
       "def step(x):\n"

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests import _subprocess
 from tests.test_gpu_compile import _need_plugin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,10 +26,11 @@ except RuntimeError as e:
 
 
 def _mesh_in_child(**env: str) -> dict:
-  environ = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  environ = _subprocess.env_for(1)
+  del environ["JAX_PLATFORMS"]
   out = subprocess.run([sys.executable, "-c", _MESH], cwd=ROOT, text=True,
                        capture_output=True, timeout=300,
-                       env={**environ, "PYTHONPATH": ROOT, **env})
+                       env={**environ, **env})
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   return json.loads(out.stdout.strip().splitlines()[-1])
 
