@@ -37,6 +37,13 @@ def test_streamed_counts_fill_the_last_stack_first():
   assert plan_lib._streamed((19, 38), 57) == (19, 38)
 
 
+def test_figures_give_each_directions_hidden_share():
+  f = plan_lib.Figures(peak_bytes=1, host_bytes=1, step_s=1.0, floor_s=1.0,
+                       h2d_hidden=0.734, d2h_hidden=float("nan"),
+                       compile_s=1.0)
+  assert f.hidden() == "73% / -"
+
+
 def test_plan_refuses_xla_cpu_without_a_target_and_bad_arguments():
   params = init_params(jnp.bfloat16)
   tx = ok.kahan(optax.adamw(1e-3))

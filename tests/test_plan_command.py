@@ -59,7 +59,7 @@ def test_summary_gives_each_budgets_choice():
   table = ok_plan.summary({(16.0, 64.0): p, (16.0, None): p})
   rows = table.splitlines()[2:]
   assert rows[0] == (f"| 16 | 64 | {layout.describe()} | 15.61 | 52.3 | 632 "
-                     "| 436 |")
+                     "| 436 | 58% / 90% |")
   assert rows[1].startswith("| 16 | no cap | ")
 
 

@@ -122,20 +122,23 @@ def _ram(text: str) -> Optional[float]:
 
 def summary(plans: dict[tuple[float, Optional[float]], Union[Plan, str]]
             ) -> str:
-  """One row per card and host budget: the chosen layout and its figures."""
+  """One row per card and host budget: the chosen layout and its figures,
+  with the share of each PCIe direction's time its schedule runs beside
+  compute (``Figures.hidden``)."""
   lines = ["| card GiB | host RAM GB | layout | device peak GB | host GB "
-           "| modeled ms per sample | floor ms per sample |",
-           "|---|---|---|---|---|---|---|"]
+           "| modeled ms per sample | floor ms per sample "
+           "| PCIe hidden (H2D / D2H) |",
+           "|---|---|---|---|---|---|---|---|"]
   for (card, ram), p in plans.items():
     head = f"| {card:g} | {'no cap' if ram is None else f'{ram:g}'} | "
     if isinstance(p, str):
-      lines.append(head + p + " | | | | |")
+      lines.append(head + p + " | | | | | |")
       continue
     f, b = p.figures, p.layout.batch
     lines.append(
         head + f"{p.layout.describe()} | {f.peak_bytes / 1e9:.2f} | "
         f"{f.host_bytes / 1e9:.1f} | {f.step_s / b * 1e3:.0f} | "
-        f"{f.floor_s / b * 1e3:.0f} |")
+        f"{f.floor_s / b * 1e3:.0f} | {f.hidden()} |")
   return "\n".join(lines)
 
 

@@ -109,6 +109,12 @@ class Figures:
   d2h_hidden: float
   compile_s: float
 
+  def hidden(self) -> str:
+    """The hidden shares as ``"73% / 96%"`` (host to device / device to
+    host; ``-`` where nothing moves that way)."""
+    return " / ".join("-" if math.isnan(x) else f"{x:.0%}"
+                      for x in (self.h2d_hidden, self.d2h_hidden))
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -169,13 +175,14 @@ class Plan:
   def table(self) -> str:
     """The candidates as a markdown table."""
     lines = ["| layout | device peak GB | host GB | modeled ms per sample "
-             "| floor ms per sample | verdict |", "|---|---|---|---|---|---|"]
+             "| floor ms per sample | PCIe hidden (H2D / D2H) | verdict |",
+             "|---|---|---|---|---|---|---|"]
     for c in self.candidates:
       f, b = c.figures, c.layout.batch
       lines.append(
           f"| {c.layout.describe()} | {f.peak_bytes / 1e9:.2f} | "
           f"{f.host_bytes / 1e9:.2f} | {f.step_s / b * 1e3:.1f} | "
-          f"{f.floor_s / b * 1e3:.1f} | {c.verdict} |")
+          f"{f.floor_s / b * 1e3:.1f} | {f.hidden()} | {c.verdict} |")
     return "\n".join(lines)
 
 
@@ -529,7 +536,8 @@ class _Candidates:
                 f"peak {f.peak_bytes / 1e9:.2f} GB, host "
                 f"{f.host_bytes / 1e9:.2f} GB, "
                 f"{f.step_s / same[0].batch * 1e3:.1f} ms per sample "
-                f"modeled, in {f.compile_s:.0f} s", flush=True)
+                f"modeled, PCIe hidden {f.hidden()}, in {f.compile_s:.0f} s",
+                flush=True)
 
 
 def _compile(lowered) -> tuple[Any, float]:
