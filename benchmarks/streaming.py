@@ -65,6 +65,7 @@ import argparse
 import dataclasses
 import datetime
 import math
+import resource
 import subprocess
 import sys
 import time
@@ -220,18 +221,26 @@ def run_plan(argv: list[str]) -> str:
   return "".join(lines)
 
 
-def save_cards(argv: list[str], output: str, tag: str = "") -> None:
-  """``--cards``' results: the command, the date and versions, its output."""
+def save_cards(argv: list[str], output: str, tag: str = "",
+               peak_rss: Optional[int] = None) -> None:
+  """``--cards``' results: the command, the date and versions, the command
+  process's peak resident memory (bytes) and ``MALLOC_ARENA_MAX``, its
+  output."""
   command = "python -m optax_kahan.plan " + " ".join(argv)
   date = datetime.date.today().isoformat()
   python = sys.version.split()[0]
+  arenas = os.environ.get("MALLOC_ARENA_MAX")
+  memory = "" if peak_rss is None else (
+      f"; the command's process peaked at {peak_rss / 1e9:.2f} GB resident "
+      f"(MALLOC_ARENA_MAX={arenas or 'unset'})")
   report.save(
       "streaming_cards" + (f"_{tag}" if tag else ""),
-      f"`{command}` ({date}, Python {python}, jax {jax.__version__}); its "
-      "output, each compile as it finished, then the layout per card and "
-      "host budget:\n\n" + output,
+      f"`{command}` ({date}, Python {python}, jax {jax.__version__}"
+      f"{memory}); its output, each compile as it finished, then the layout "
+      "per card and host budget:\n\n" + output,
       {"command": command, "date": date, "python": python,
-       "jax": jax.__version__, "output": output})
+       "jax": jax.__version__, "peak_rss_bytes": peak_rss,
+       "malloc_arena_max": arenas, "output": output})
 
 
 def rows_for(cfg, target: str, quick: bool, spare: bool = True
@@ -427,7 +436,10 @@ def main(argv=None) -> dict:
     argv = plan_argv(args.card or list(CARDS),
                      args.max_host or ["64", "none"],
                      args.batch or [1, 4], args.target, args.interleave)
-    save_cards(argv, run_plan(argv), args.tag)
+    output = run_plan(argv)
+    # the child's (Linux: KiB)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    save_cards(argv, output, args.tag, peak)
     return {}
   if args.activations:
     rows = activation_rows(cfg, args.target, tuple(args.batch or (2, 4)))

@@ -256,12 +256,14 @@ def test_cards_saves_the_plan_commands_output(monkeypatch, tmp_path):
       "--model", "flux-dev", "--card", "16", "--host-ram", "none", "--batch",
       "4", "--interleave"]
   monkeypatch.setattr(report, "RESULTS", tmp_path)
+  monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
   streaming.save_cards(argv, "plan: compiled 1 (...)\n| 8 | 64 | ... |\n",
-                       "t")
+                       "t", 3.21e9)
   md = (tmp_path / "streaming_cards_t.md").read_text()
   assert md.startswith("`python -m optax_kahan.plan --model flux-dev "
                        "--card 8 --card 16.5 --host-ram 64")
   assert f"jax {jax.__version__}" in md and md.endswith("| 8 | 64 | ... |\n")
+  assert "peaked at 3.21 GB resident (MALLOC_ARENA_MAX=4)" in md
   data = json.loads((tmp_path / "streaming_cards_t.json").read_text())
   assert data["output"].startswith("plan: compiled 1")
   assert data["command"] == md[1:md.index("`", 1)]
