@@ -206,12 +206,20 @@ def plan_argv(cards: list[float], host_rams: list[str], batches: list[int],
   return argv + (["--interleave"] if interleave else [])
 
 
+def plan_env() -> dict[str, str]:
+  """The command's environment: this one, unbuffered, with
+  ``MALLOC_ARENA_MAX=4`` unless set (glibc's per-thread malloc arenas, XLA
+  compiling on threads, otherwise grow a long search's memory by about
+  0.3 GB a compile: docs/guides/flux.md)."""
+  return {"MALLOC_ARENA_MAX": "4", **os.environ, "PYTHONUNBUFFERED": "1"}
+
+
 def run_plan(argv: list[str]) -> str:
-  """``python -m optax_kahan.plan`` as users run it, in a child process;
-  its output, each line shown as it comes (each compile takes 30 to 60 s)."""
+  """``python -m optax_kahan.plan`` as users run it, in a child process
+  (``plan_env()``); its output, each line shown as it comes (each compile
+  takes 30 to 60 s)."""
   child = subprocess.Popen([sys.executable, "-m", "optax_kahan.plan", *argv],
-                           stdout=subprocess.PIPE, text=True,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                           stdout=subprocess.PIPE, text=True, env=plan_env())
   lines = []
   for line in child.stdout:
     print(line, end="", flush=True)
@@ -229,10 +237,10 @@ def save_cards(argv: list[str], output: str, tag: str = "",
   command = "python -m optax_kahan.plan " + " ".join(argv)
   date = datetime.date.today().isoformat()
   python = sys.version.split()[0]
-  arenas = os.environ.get("MALLOC_ARENA_MAX")
+  arenas = plan_env()["MALLOC_ARENA_MAX"]
   memory = "" if peak_rss is None else (
       f"; the command's process peaked at {peak_rss / 1e9:.2f} GB resident "
-      f"(MALLOC_ARENA_MAX={arenas or 'unset'})")
+      f"(MALLOC_ARENA_MAX={arenas})")
   report.save(
       "streaming_cards" + (f"_{tag}" if tag else ""),
       f"`{command}` ({date}, Python {python}, jax {jax.__version__}"

@@ -256,6 +256,10 @@ def test_cards_saves_the_plan_commands_output(monkeypatch, tmp_path):
       "--model", "flux-dev", "--card", "16", "--host-ram", "none", "--batch",
       "4", "--interleave"]
   monkeypatch.setattr(report, "RESULTS", tmp_path)
+  monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+  assert streaming.plan_env()["MALLOC_ARENA_MAX"] == "4"  # unless set
+  monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+  assert streaming.plan_env()["MALLOC_ARENA_MAX"] == "2"
   monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
   streaming.save_cards(argv, "plan: compiled 1 (...)\n| 8 | 64 | ... |\n",
                        "t", 3.21e9)
