@@ -208,9 +208,10 @@ def plan_argv(cards: list[float], host_rams: list[str], batches: list[int],
 
 def plan_env() -> dict[str, str]:
   """The command's environment: this one, unbuffered, with
-  ``MALLOC_ARENA_MAX=4`` unless set (glibc's per-thread malloc arenas, XLA
-  compiling on threads, otherwise grow a long search's memory by about
-  0.3 GB a compile: docs/guides/flux.md)."""
+  ``MALLOC_ARENA_MAX=4`` unless set. XLA compiles on threads, and glibc's
+  per-thread malloc arenas grow a long search's memory: about 0.3 GB a
+  compile without the cap, 0.1 to 0.15 GB with it, in the FLUX.1-dev runs
+  (docs/guides/flux.md)."""
   return {"MALLOC_ARENA_MAX": "4", **os.environ, "PYTHONUNBUFFERED": "1"}
 
 
