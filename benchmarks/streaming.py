@@ -77,6 +77,7 @@ import jax.numpy as jnp
 import optax_kahan as ok
 from optax_kahan import flux
 from optax_kahan import plan as ok_plan
+from optax_kahan._src.blockwise.plan import hidden_share
 from benchmarks import blockwise as blockwise_bench
 from benchmarks import gpu_compile
 from benchmarks import report
@@ -373,14 +374,13 @@ def to_markdown(r: dict) -> str:
       "|---|---|---|---|---|---|---|---|---|---|"]
   for name, v in r["rows"].items():
     margin = lambda gib: (gib * 2**30 - CONTEXT - v["peak_bytes"]) / 1e9
-    hidden = lambda x: "-" if x != x else f"{100 * x:.0f}%"
     lines.append(
         f"| {name} | {v['peak_bytes'] / 1e9:.2f} | {margin(24):+.2f} | "
         f"{margin(12):+.2f} | {host_bytes(v) / 1e9:.2f} | "
         f"{v['step_s'] * 1e3:.0f} | {v['ratio']:.2f}x | "
         f"{v['ratio'] * v['loop_floor_s'] / v['step_s']:.2f}x | "
-        f"{v['h2d_bytes'] / 1e9:.1f} ({hidden(v['h2d_hidden'])}) | "
-        f"{v['d2h_bytes'] / 1e9:.1f} ({hidden(v['d2h_hidden'])}) |")
+        f"{v['h2d_bytes'] / 1e9:.1f} ({hidden_share(v['h2d_hidden'])}) | "
+        f"{v['d2h_bytes'] / 1e9:.1f} ({hidden_share(v['d2h_hidden'])}) |")
   return "\n".join(lines) + "\n"
 
 

@@ -97,6 +97,33 @@ def test_check_fails_on_a_silent_loss_with_unrolled_blocks():
   assert gpu_compile.check(table) == []
 
 
+def test_check_holds_the_scheduler_off_remedy_where_xla_honours_it():
+  # The regression test of the remedy kahan's warning names: an unrolled
+  # remat step compiled without XLA's latency-hiding scheduler must save at
+  # least 1.7 B/param with host residuals, on a jax whose XLA honours the
+  # option (0.12 on); on jax 0.10's XLA, which ignores it, only reported.
+  warned = ["kahan: ... rematerializes 8 blocks outside a loop ..."]
+  off = "kahan(optax.adamw)" + gpu_compile.SCHEDULER_OFF
+  rows = {off: _row(h2d_copies=9, peak_B_per_param=16.0, warned=warned),
+          # compared with offload=False compiled with the same option
+          "kahan(optax.adamw), offload=False": _row(peak_B_per_param=17.0),
+          "kahan(optax.adamw), offload=False" + gpu_compile.SCHEDULER_OFF:
+              _row(peak_B_per_param=15.0)}
+  table = {"shapes": "Whole training step, 8 blocks unrolled", "rows": rows,
+           "offload_saving": gpu_compile.offload_savings(rows),
+           "jax": "0.12.1"}
+  assert table["offload_saving"] == {off: -1.0}
+  assert gpu_compile.check(table) == [
+      f"Whole training step, 8 blocks unrolled: offload saves -1.00 B/param "
+      f"for {off}, less than 1.7"]
+  assert gpu_compile.check({**table, "jax": "0.10.2"}) == []
+  rows[off]["peak_B_per_param"] = 13.0
+  table["offload_saving"] = gpu_compile.offload_savings(rows)
+  assert gpu_compile.check(table) == []
+  assert not gpu_compile.honours_scheduler_option("0.11.2")
+  assert gpu_compile.honours_scheduler_option("0.13.0")
+
+
 def test_schedule_report_reads_staging_through_tuples():
   hlo = """
 ENTRY %main (p: u16[8], q: u16[8]) -> u16[8] {

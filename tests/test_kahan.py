@@ -508,5 +508,9 @@ def test_warns_for_host_residuals_in_an_unrolled_remat_step(
   assert len(said) == int(warns), said
   if warns:
     assert "rematerializes 3 blocks" in said[0]
-    assert "offload=False" in said[0] and "blockwise_step" in said[0]
+    assert "offload=False" in said[0]
+    assert "ok.blockwise.blockwise_step" in said[0]
+    assert ("compiler_options={'xla_gpu_enable_latency_hiding_scheduler': "
+            "False}" in said[0])
+    assert "their 384 bytes each way" in said[0]  # 3 x 8 x 8 residuals
     assert caught[0].filename == __file__  # points at the user's update

@@ -87,6 +87,12 @@ class Layout:
     return ", ".join(parts)
 
 
+def hidden_share(x: float) -> str:
+  """A share of PCIe time hidden behind compute as a whole percent, ``-``
+  for NaN (nothing moved that way)."""
+  return "-" if math.isnan(x) else f"{x:.0%}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Figures:
   """A compiled candidate's figures (bytes and seconds).
@@ -112,8 +118,7 @@ class Figures:
   def hidden(self) -> str:
     """The hidden shares as ``"73% / 96%"`` (host to device / device to
     host; ``-`` where nothing moves that way)."""
-    return " / ".join("-" if math.isnan(x) else f"{x:.0%}"
-                      for x in (self.h2d_hidden, self.d2h_hidden))
+    return " / ".join(map(hidden_share, (self.h2d_hidden, self.d2h_hidden)))
 
 
 @dataclasses.dataclass(frozen=True)
