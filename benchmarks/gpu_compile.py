@@ -56,7 +56,8 @@ FLUX.1-dev's layers with 2 + 2 blocks unrolled (each block's weights leaves of
 their own, under Flax's key paths; 1.03B params). ``--quick``
 (for CI): width 256, 1 + 1 FLUX blocks, 24 leaves of 256 x 256, the
 adamw, both clip-chains and prodigy_factored families, the scanned DiT's
-kahan rows and the unrolled DiT's ``kahan(optax.adamw)`` rows only.
+kahan rows (the scheduler's) and the unrolled DiT's ``kahan(optax.adamw)``
+rows only.
 ``--full`` compiles instead the full FLUX.1-dev (11.9B params, 1,160 leaves)
 optimizer steps of ``kahan(optax.adamw)`` and ``kahan(prodigy_factored())`` (minutes each),
 into ``results/gpu_compile_full``.
@@ -716,7 +717,8 @@ def training_tables(target: str, quick: bool, mesh, stamp: dict) -> list:
     quick_rows = (("kahan(optax.adamw)", "kahan(prodigy_factored())") if scan
                   else ("kahan(optax.adamw)",))
     for cfg, (make, offload, options) in training_configurations().items():
-      if quick and not cfg.startswith(quick_rows):
+      if quick and (not cfg.startswith(quick_rows)
+                    or scan and cfg.endswith(SCHEDULER_OFF)):
         continue
       rows[cfg] = training_step(cfg, make, model, mesh, target, offload,
                                 options)
