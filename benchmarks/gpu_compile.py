@@ -600,8 +600,8 @@ def offload_savings(rows: dict) -> dict[str, float]:
   changes the scanned DiT's step without host copies too, on jax 0.12.1)."""
   out = {}
   for name, v in rows.items():
-    base = name.removesuffix(SCHEDULER_OFF)
-    off = rows.get(f"{base}, offload=False{name[len(base):]}")
+    suffix = SCHEDULER_OFF if name.endswith(SCHEDULER_OFF) else ""
+    off = rows.get(f"{name.removesuffix(suffix)}, offload=False{suffix}")
     if name.startswith("kahan(") and off is not None:
       out[name] = off["peak_B_per_param"] - v["peak_B_per_param"]
   return out
