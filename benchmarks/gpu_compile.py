@@ -99,6 +99,7 @@ import optax
 
 import optax_kahan as ok
 from optax_kahan._src import gpu_targets
+from optax_kahan._src import kahan as kahan_module
 from optax_kahan import flux as flux_model
 from benchmarks import model_shapes
 from benchmarks import report
@@ -461,9 +462,11 @@ def flux_unrolled_model(blocks: int, image_tokens: int,
                                                     text_tokens),))
 
 
-def training_step(name: str, make: Callable, model: Model, mesh, target: str,
-                  offload: bool = True,
-                  compiler_options: Optional[dict[str, Any]] = None) -> dict:
+def training_program(name: str, make: Callable, model: Model, mesh,
+                     offload: bool = True) -> tuple[Callable, tuple]:
+  """Row ``name``'s whole training step of ``model`` with the optimizer
+  ``make()`` on ``mesh``, and its abstract arguments (params, state, batch
+  and a 2 KB host array)."""
   device = jax.NamedSharding(mesh.abstract_mesh, jax.P())
 
   def placed(x, dtype=None):
@@ -499,10 +502,19 @@ def training_step(name: str, make: Callable, model: Model, mesh, target: str,
       params = treedef.unflatten(leaves)
     return params, state
 
+  return step, (params, state, batch, host)
+
+
+def training_step(name: str, make: Callable, model: Model, mesh, target: str,
+                  offload: bool = True,
+                  compiler_options: Optional[dict[str, Any]] = None) -> dict:
+  """``training_program``'s step compiled for ``target``: its report, the
+  timeline model's figures and what ``kahan`` warned while it was traced."""
   t0 = time.perf_counter()
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", ok.OptaxKahanWarning)
-    compiled = compile_step(step, (params, state, batch, host), mesh,
+    compiled = compile_step(*training_program(name, make, model, mesh,
+                                              offload), mesh,
                             compiler_options=compiler_options)
   largest = max(math.prod(x.shape) for x in jax.tree.leaves(model.params))
   row = report_of(compiled, flux_model.num_params(model.params), target,
@@ -594,17 +606,30 @@ def to_markdown(r: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def offload_savings(rows: dict) -> dict[str, float]:
-  """Device peak of ``kahan(tx), offload=False`` minus that of ``kahan(tx)``,
-  each compiled with the same options (the latency-hiding scheduler off
-  changes the scanned DiT's step without host copies too, on jax 0.12.1)."""
+def offload_pairs(rows: dict) -> dict[str, dict]:
+  """Each ``kahan(tx)`` row's ``kahan(tx), offload=False`` twin, compiled
+  with the same options (the latency-hiding scheduler off changes the
+  scanned DiT's step without host copies too, on jax 0.12.1)."""
   out = {}
-  for name, v in rows.items():
+  for name in rows:
     suffix = SCHEDULER_OFF if name.endswith(SCHEDULER_OFF) else ""
     off = rows.get(f"{name.removesuffix(suffix)}, offload=False{suffix}")
     if name.startswith("kahan(") and off is not None:
-      out[name] = off["peak_B_per_param"] - v["peak_B_per_param"]
+      out[name] = off
   return out
+
+
+def offload_savings(rows: dict) -> dict[str, float]:
+  """Device peak of ``kahan(tx), offload=False`` minus that of ``kahan(tx)``."""
+  return {name: off["peak_B_per_param"] - rows[name]["peak_B_per_param"]
+          for name, off in offload_pairs(rows).items()}
+
+
+# Host residuals whose copies hide: a whole step modelled at most this many
+# times the larger of its offload=False twin's time and the residuals' PCIe
+# floor. No ordinary step gets there (the copies run after the backward
+# pass), so kahan warns where the floor is material.
+TIME_BOUND = 1.15
 
 
 def honours_scheduler_option(jax_version: str) -> bool:
@@ -630,9 +655,14 @@ def check(r: dict) -> list[str]:
   step was traced: the loss is never silent; and on a jax whose XLA honours
   ``NO_LATENCY_HIDING`` (0.12 and later, as measured), the step compiled
   with it saves at least 1.7 B/param (the remedy that warning names).
+  Where a whole step with host residuals is modelled at more than
+  ``TIME_BOUND`` times the larger of its ``offload=False`` twin's and its
+  PCIe floor, and that floor is at least ``kahan.COPY_WARNING_S``, ``kahan``
+  warned of the copies' time.
   """
   failures = []
   savings = r["offload_saving"]
+  pairs = offload_pairs(r["rows"])
   optimizer_step_only = r["shapes"].startswith("Optimizer step")
   for name, v in r["rows"].items():
     if v["conditionals"]:
@@ -652,6 +682,16 @@ def check(r: dict) -> list[str]:
       failures.append(f"{r['shapes']}: offload saves {savings[name]:.2f} "
                       f"B/param for {name}, less than 1.7")
     if not optimizer_step_only:
+      floor = v["pcie_floor_ms"]
+      bound = TIME_BOUND * max(pairs[name]["modelled_ms"], floor)
+      if (floor >= 1e3 * kahan_module.COPY_WARNING_S
+          and v["modelled_ms"] > bound
+          and not any("ms or more to the step" in w
+                      for w in v.get("warned", ()))):
+        failures.append(
+            f"{r['shapes']}: {name} is modelled at {v['modelled_ms']:.1f} "
+            f"ms, more than {bound:.1f}, and kahan did not warn of the "
+            "copies' time")
       continue
     if v["staging_in_largest_leaves"] > 2.01:
       failures.append(f"{r['shapes']}: {name} stages "

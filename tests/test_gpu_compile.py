@@ -13,8 +13,12 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
+import jax
 import pytest
+
+import optax_kahan as ok
 
 from benchmarks import gpu_compile
 
@@ -57,7 +61,8 @@ def test_gpu_programs_keep_their_promises():
 
 def _row(**kw):
   base = {"conditionals": 0, "h2d_copies": 0, "staging_in_largest_leaves": 0,
-          "largest_leaf_bytes": 100, "params": 1000, "peak_B_per_param": 10}
+          "largest_leaf_bytes": 100, "params": 1000, "peak_B_per_param": 10,
+          "modelled_ms": 1.0, "pcie_floor_ms": 0.0}
   return {**base, **kw}
 
 
@@ -99,6 +104,30 @@ def test_check_fails_on_a_silent_loss_with_unrolled_blocks():
       "for kahan(optax.adamw), and kahan did not warn"]
   rows["kahan(optax.adamw)"]["warned"] = [
       "kahan: ... rematerializes 8 blocks outside a loop ..."]
+  assert gpu_compile.check(table) == []
+
+
+def test_check_fails_on_a_silent_time_loss():
+  # A whole step whose host residuals' copies do not hide (modelled above
+  # TIME_BOUND x the larger of offload=False's and the PCIe floor) passes
+  # only if kahan warned of their time; a floor under kahan's threshold is
+  # not worth a warning.
+  rows = {"kahan(optax.adamw)": _row(modelled_ms=24.0, pcie_floor_ms=8.8),
+          "kahan(optax.adamw), offload=False": _row(modelled_ms=12.3,
+                                                    peak_B_per_param=12)}
+  table = {"shapes": "Whole training step, stacked, lax.scan", "rows": rows,
+           "offload_saving": gpu_compile.offload_savings(rows)}
+  assert gpu_compile.check(table) == [
+      "Whole training step, stacked, lax.scan: kahan(optax.adamw) is "
+      "modelled at 24.0 ms, more than 14.1, and kahan did not warn of the "
+      "copies' time"]
+  rows["kahan(optax.adamw)"]["warned"] = [
+      "kahan: ... they add about 8.81 ms or more to the step on one GPU ..."]
+  assert gpu_compile.check(table) == []
+  rows["kahan(optax.adamw)"].update(warned=[], modelled_ms=14.0)  # hidden
+  assert gpu_compile.check(table) == []
+  rows["kahan(optax.adamw)"].update(modelled_ms=1.2, pcie_floor_ms=0.56)
+  rows["kahan(optax.adamw), offload=False"]["modelled_ms"] = 0.43
   assert gpu_compile.check(table) == []
 
 
@@ -305,3 +334,49 @@ def test_cards_saves_the_plan_commands_output(monkeypatch, tmp_path):
   assert data["command"] == md[1:md.index("`", 1)]
   with pytest.raises(SystemExit):  # --cards runs FLUX.1-dev: no --quick
     streaming.main(["--cards", "--quick"])
+
+
+def _whole_step_tables() -> dict[str, dict]:
+  """The committed H200 tables of whole training steps, by model."""
+  with open(os.path.join(ROOT, "benchmarks", "results",
+                         "gpu_compile.json")) as f:
+    tables = json.load(f)["tables"]
+  return {("flux" if "FLUX" in t["shapes"] else
+           "scanned" if "lax.scan" in t["shapes"] else "unrolled"): t
+          for t in tables if t["target"] == "h200"
+          and t["shapes"].startswith("Whole training step")}
+
+
+@pytest.mark.parametrize("model", ["unrolled", "scanned", "flux"])
+def test_kahan_warns_of_the_copies_time_on_every_model(model):
+  # No ordinary step hides the residuals' copies (the tables' modelled
+  # times), so kahan says what they cost, on each model of the tables: the
+  # same floor, traced here (no compile) with the tables' shapes.
+  table = _whole_step_tables()[model]
+  shapes = (gpu_compile.flux_unrolled_model(2, 1024, 512) if model == "flux"
+            else gpu_compile.dit_model(1024, 8, model == "scanned", 4, 1024))
+  mesh = jax.make_mesh((1,), ("x",))
+  for name in ("kahan(optax.adamw)", "kahan(prodigy_factored())"):
+    row, off = table["rows"][name], table["rows"][f"{name}, offload=False"]
+    assert row["modelled_ms"] > gpu_compile.TIME_BOUND * max(
+        off["modelled_ms"], row["pcie_floor_ms"])  # what the warning is for
+    for offload in (True, False):
+      make, _, _ = gpu_compile.training_configurations()[
+          name if offload else f"{name}, offload=False"]
+      step, args = gpu_compile.training_program(name, make, shapes, mesh,
+                                                offload)
+      with warnings.catch_warnings(record=True) as caught, jax.set_mesh(mesh):
+        warnings.simplefilter("always", ok.OptaxKahanWarning)
+        jax.jit(step).trace(*args)
+      said = [str(w.message) for w in caught]
+      if not offload:
+        assert not said, said
+        continue
+      assert len(said) == 1, said
+      assert (f"add about {row['pcie_floor_ms']:.3g} ms or more to the step"
+              in said[0]), (said[0], row["pcie_floor_ms"])
+      # and of the memory where the blocks are unrolled (8; FLUX's 2 + 2)
+      blocks = {"unrolled": 8, "flux": 4}.get(model)
+      assert ("rematerializes" in said[0]) == (blocks is not None)
+      assert blocks is None or f"rematerializes {blocks} blocks" in said[0]
+      assert "ok.blockwise.blockwise_step" in said[0]

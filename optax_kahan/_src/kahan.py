@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_kahan._src import bits
+from optax_kahan._src import gpu_targets
 from optax_kahan._src import per_leaf
 from optax_kahan._src import traced
 from optax_kahan._src import validation
@@ -339,11 +340,13 @@ def kahan(
     inner: any optax transformation (extra args are passed through).
     rounding: ``"nearest"`` (default, ties away from zero) or ``"truncate"``.
     offload: ``init`` puts the residuals in host memory (default) or not.
-      In an ordinary training step on a GPU the residuals' copies are
-      mostly not hidden behind compute, and a backward pass that
-      rematerializes unrolled blocks may peak higher than with
-      ``offload=False`` (a warning says so; docs/guides/gpu.md);
-      ``blockwise_step`` hides them.
+      In an ordinary training step on a GPU their copies run after the
+      backward pass, adding about their bytes over PCIe to the step, and
+      a backward pass that rematerializes unrolled blocks may peak higher
+      than with ``offload=False``; a warning says so where the copies take
+      1 ms or more at 32 GiB/s, or unrolled blocks are rematerialized
+      (docs/guides/troubleshooting.md). ``ok.blockwise.blockwise_step``
+      hides them.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -410,7 +413,6 @@ def _checked(updates: Any, state: KahanState, params: Any, offload: bool,
   lows = _check_residuals(params, state.residuals)
   if not staged:
     _check_memory(params, lows, offload)
-    _warn_if_unrolled_remat(lows)
   leaves_like(params, updates, "the updates (grads)")
   full = leaves_like(updates, state.residuals, "residuals")  # None grads too
   grads = jax.tree.structure(updates, is_leaf=is_none).flatten_up_to(updates)
@@ -443,6 +445,8 @@ def _stages(inner, rounding, offload, updates, state, params, *,
         "optax_kahan.per_leaf.transformation to keep the per-leaf form",
         stacklevel=3)
     return reason
+  if not kahan_staged:  # each statistic round fetches the residuals again
+    _warn_of_host_copies(lows, fetches=1 + len(inner_st.rounds))
 
   def statistic(rnd):
     def fn(g, s, w, shared, **extra):
@@ -475,6 +479,8 @@ def _whole_tree(inner, rounding, offload, updates, state, params, *,
   """``kahan``'s whole-tree step: merge all, ``inner.update``, split all."""
   lows, residuals = _checked(updates, state, params, offload,
                              kahan_staged)
+  if not kahan_staged:
+    _warn_of_host_copies(lows, fetches=1)
   treedef = jax.tree.structure(updates)
   ps = treedef.flatten_up_to(params)
   x32 = [_exact(p, lo, rounding) for p, lo in zip(ps, lows)]
@@ -509,43 +515,76 @@ def _check_memory(params: Any, lows: list[Any], offload: bool) -> None:
         stacklevel=5)
 
 
-def _warn_if_unrolled_remat(lows: list[Any]) -> None:
-  """Warns when residuals in host memory meet a traced step whose backward
-  rematerializes two or more blocks outside a loop: on a GPU, any host copy
-  makes XLA's latency-hiding scheduler reorder such a program, and where
-  activations are large against the weights the device peak rises instead
-  of falling (docs/guides/gpu.md). The warning gives the residuals' bytes
-  and the remedies, the scheduler off among them (jax 0.12 on)."""
+#: Host residuals whose copies take at least this long in the larger direction
+#: on one GPU (at ``gpu_targets.PCIE``) make ``kahan`` say what they cost.
+COPY_WARNING_S = 1e-3
+
+
+def _size(nbytes: int) -> str:
+  return next(f"{nbytes / scale:.3g} {unit}" for scale, unit in
+              ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "bytes"))
+              if nbytes >= scale or scale == 1)
+
+
+def _warn_of_host_copies(lows: list[Any], fetches: int) -> None:
+  """Warns of what host residuals cost an ordinary step (``tx.update``
+  after ``jax.grad``; the blockwise step's updates, inside the backward
+  pass, stage their own) on a GPU. ``fetches``: how often the step copies
+  them to the device (once, and again for each of the inner
+  transformation's statistic rounds, as Prodigy's).
+
+  Time, where the larger direction takes at least ``COPY_WARNING_S`` at
+  ``gpu_targets.PCIE`` (32 GiB/s): XLA:GPU runs an ordinary step's updates,
+  and the copies that feed them, after the backward pass, so the copies add
+  to the step instead of hiding behind it (in every whole training step of
+  ``benchmarks.gpu_compile``, about that floor or more). Memory, where the
+  backward pass rematerializes two or more blocks outside a loop: any host
+  copy makes XLA's latency-hiding scheduler reorder such a program, and
+  where activations are large against the weights the device peak rises
+  instead of falling. The warning gives the bytes and the remedies
+  (docs/guides/gpu.md).
+  """
   host = [lo for lo in lows if lo is not None and on_host(lo)]
   if not host:
     return
-  blocks = traced.rematerialized_calls()
-  if blocks < 2:
-    return
   nbytes = sum(lo.size * lo.dtype.itemsize for lo in host)
-  size = next(f"{nbytes / scale:.3g} {unit}" for scale, unit in
-              ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "bytes"))
-              if nbytes >= scale or scale == 1)
-  validation.warn(
-      f"kahan: the residuals are in host memory and this step's backward "
-      f"rematerializes {blocks} blocks outside a loop (jax.checkpoint, "
-      "nn.remat or nnx.remat, unrolled). On a GPU any host copy makes XLA's "
-      "latency-hiding scheduler reorder such a program, keeping the blocks' "
-      "gradients until the end of the backward pass: where activations are "
-      "large against the weights, the device peak rises instead of falling "
-      "(python -m benchmarks.gpu_compile; docs/guides/gpu.md). Compare "
-      "jax.jit(step).lower(...).compile().memory_analysis() with the "
-      "residuals in host memory and on the device. With jax 0.12 or later, "
-      "jax.jit(step, compiler_options={'xla_gpu_enable_latency_hiding_"
-      "scheduler': False}) keeps XLA's memory-minimizing order: the "
-      "residuals then save their 2 bytes per param (2.00 on the unrolled "
-      f"DiT-like model of benchmarks.gpu_compile), and their {size} "
-      "each way are copied after the backward pass one copy at a time, "
-      "overlapping nothing (the option applies to the whole program, a "
-      "sharded step's collectives too). Else keep them on the device "
-      "(ok.kahan(tx, offload=False)), run the blocks in a loop (lax.scan, "
-      "nn.scan, nnx.scan), or update each block inside the backward pass "
-      "(ok.blockwise.blockwise_step)", stacklevel=5)
+  seconds = fetches * nbytes / gpu_targets.PCIE
+  blocks = traced.rematerialized_calls()
+  if seconds < COPY_WARNING_S and blocks < 2:
+    return
+  times = {1: "once", 2: "twice"}.get(fetches, f"{fetches} times")
+  said = [f"kahan: the residuals are in host memory: {_size(nbytes)}, "
+          f"copied to the device {times} and back once in each step."]
+  if seconds >= COPY_WARNING_S:
+    said.append(
+        "In an ordinary step (tx.update after jax.grad) XLA on a GPU runs "
+        "the updates, and these copies, after the backward pass, so at 32 "
+        f"GiB/s in each direction they add about {1e3 * seconds:.3g} ms or "
+        "more to the step on one GPU (the compiled steps of python -m "
+        "benchmarks.gpu_compile; docs/guides/gpu.md).")
+  if blocks >= 2:
+    said.append(
+        f"This step's backward pass rematerializes {blocks} blocks outside "
+        "a loop (jax.checkpoint, nn.remat or nnx.remat, unrolled): on a GPU "
+        "any host copy makes XLA's latency-hiding scheduler reorder such a "
+        "program, keeping the blocks' gradients until the end of the "
+        "backward pass, and where activations are large against the "
+        "weights the device peak rises instead of falling. Compare "
+        "jax.jit(step).lower(...).compile().memory_analysis() with the "
+        "residuals in host memory and on the device. With jax 0.12 or "
+        "later, jax.jit(step, compiler_options={'xla_gpu_enable_latency_"
+        "hiding_scheduler': False}) keeps XLA's memory-minimizing order: "
+        "the residuals then save their 2 bytes per param (2.00 on the "
+        "unrolled DiT-like model of benchmarks.gpu_compile), copied one "
+        "copy at a time, overlapping nothing (the option applies to the "
+        "whole program, a sharded step's collectives too); or run the "
+        "blocks in a loop (lax.scan, nn.scan, nnx.scan).")
+  said.append(
+      "To hide the copies, update each block inside the backward pass "
+      "(ok.blockwise.blockwise_step); to keep the step's speed, keep the "
+      "residuals on the device (ok.kahan(tx, offload=False), 2 bytes per "
+      "param more there)")
+  validation.warn(" ".join(said), stacklevel=4)
 
 
 # States of groups of params (the blockwise step's), registered by their
