@@ -488,6 +488,28 @@ def _blocks_step(tx, *, scan: bool, remat: bool):
   return step, commit(params)
 
 
+@pytest.mark.parametrize("offload", [True, False])
+def test_init_of_abstract_params_gives_the_residuals_memory(offload):
+  # jax.eval_shape keeps a sharding's mesh and spec, not its memory: a
+  # restore target made this way must still say host memory.
+  mesh = jax.make_mesh((1,), ("x",))
+  sharded = jax.NamedSharding(mesh.abstract_mesh, jax.P("x"))
+  params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.bfloat16, sharding=sharded),
+            "b": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sharded),
+            "v": jax.ShapeDtypeStruct((4,), jnp.bfloat16)}  # the mesh's
+  tx = ok.kahan(optax.adamw(1e-3), offload=offload)
+  with jax.set_mesh(mesh):
+    lows = ok.kahan_residuals(tx.init(params))
+  assert lows["b"] is None  # float32: nothing dropped
+  assert lows["w"].sharding.spec[0] == "x"  # its params' spec
+  for lo in (lows["w"], lows["v"]):
+    assert lo.sharding.memory_kind == ("pinned_host" if offload else None)
+  # With no sharding there is no memory to say.
+  lo = ok.kahan_residuals(tx.init({"v": jax.ShapeDtypeStruct(
+      (4,), jnp.bfloat16)}))["v"]
+  assert lo.sharding is None and lo.shape == (4,)
+
+
 def _coupled() -> optax.GradientTransformation:
   """An inner transformation with no per-leaf form: leaf b's update reads
   leaf a (kahan runs it on the whole tree)."""
@@ -527,12 +549,7 @@ def test_warns_of_the_copies_time_of_host_residuals(inner, cols, offload,
   tx = ok.kahan({"adamw": lambda: optax.adamw(1e-3),
                  "prodigy_factored": ok.prodigy_factored,
                  "whole tree": _coupled}[inner](), offload=offload)
-  state = tx.init(params)
-  state = ok.kahan_replace_residuals(state, jax.tree.map(
-      lambda r: jax.ShapeDtypeStruct(
-          r.shape, r.dtype, sharding=where("pinned_host" if offload
-                                           else "device")),
-      ok.kahan_residuals(state)))
+  state = tx.init(params)  # abstract, each residual in its memory
 
   def step(params, state):
     loss = lambda p: sum(jnp.sum(v.astype(jnp.float32) ** 2)

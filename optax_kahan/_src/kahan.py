@@ -332,7 +332,8 @@ def kahan(
   form runs on the whole tree, with a warning. Params and state can be
   donated; each residual leaves the step in the memory it came in. ``init``
   commits the state where the params live (commit the params first, or the
-  first step compiles twice). ``kahan`` goes outermost or under
+  first step compiles twice); of abstract params (``jax.ShapeDtypeStruct``)
+  it gives the state's shapes, a residual's sharding in its memory. ``kahan`` goes outermost or under
   ``MultiSteps``, ``masked``, ``partition``, ``inject_hyperparams``;
   ``apply_if_finite`` goes inside it.
 
@@ -371,7 +372,11 @@ def kahan(
 
   def init_fn(params, residuals=None):
     if validation.is_abstract(params):
-      return jax.eval_shape(init_fn, params, residuals)
+      state = jax.eval_shape(init_fn, params, residuals)
+      if not offload:
+        return state
+      return kahan_replace_residuals(state, jax.tree.map(
+          _in_host_memory, kahan_residuals(state)))
     flat = jax.tree.leaves(params)
     if flat and all(jnp.result_type(p) in (jnp.float32, jnp.float64)
                     for p in flat):
@@ -399,6 +404,16 @@ def kahan(
   return per_leaf.transformation(init_fn, stages, ordered=True, parts=(inner,),
                                  whole_tree=whole_tree,
                                  static=("kahan_staged",))
+
+
+def _in_host_memory(spec: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+  """An abstract residual in host memory, where its sharding can say so
+  (``jax.eval_shape`` gives the memory of none: a restore target must)."""
+  if spec.sharding is None:
+    return spec
+  return jax.ShapeDtypeStruct(spec.shape, spec.dtype,
+                              sharding=spec.sharding.with_memory_kind(
+                                  "pinned_host"))
 
 
 def _checked(updates: Any, state: KahanState, params: Any, offload: bool,
